@@ -1,0 +1,62 @@
+"""memory: the admission brain of mlx-headroom.
+
+Pure, typed policy: probes read the machine into a frozen :class:`MemorySnapshot`;
+:func:`compute_ceiling` turns it into a hard limit; :func:`decide` says ADMIT, EVICT,
+WAIT or REJECT, and why. Nothing here imports FastAPI, the engine or the server, and
+``mlx.core`` is only imported lazily inside probe reads.
+"""
+
+from .ceiling import Ceiling, CeilingConfig, Tier, compute_ceiling
+from .decision import AdmissionQuery, Decision, Outcome, decide
+from .estimate import (
+    KV_STEP,
+    ModelGeometry,
+    PrefillEstimate,
+    estimate_decode_reservation,
+    estimate_prefill,
+    fused_attention_available,
+    geometry_from_config,
+    geometry_from_model,
+    kv_cache_bytes,
+)
+from .guard import GuardState, MemoryGuard
+from .probes import (
+    AllocatorProbe,
+    CudaProbe,
+    LinuxProbe,
+    MacOSProbe,
+    Probe,
+    detect_probe,
+)
+from .snapshot import MemorySnapshot
+from .tracker import TransientTracker
+
+__all__ = [
+    "KV_STEP",
+    "AdmissionQuery",
+    "AllocatorProbe",
+    "Ceiling",
+    "CeilingConfig",
+    "CudaProbe",
+    "Decision",
+    "GuardState",
+    "LinuxProbe",
+    "MacOSProbe",
+    "MemoryGuard",
+    "MemorySnapshot",
+    "ModelGeometry",
+    "Outcome",
+    "PrefillEstimate",
+    "Probe",
+    "Tier",
+    "TransientTracker",
+    "compute_ceiling",
+    "decide",
+    "detect_probe",
+    "estimate_decode_reservation",
+    "estimate_prefill",
+    "fused_attention_available",
+    "geometry_from_config",
+    "geometry_from_model",
+    "kv_cache_bytes",
+]

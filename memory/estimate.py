@@ -1,0 +1,268 @@
+"""Static byte estimates for a prefill chunk and a request's KV reservation.
+
+These are deliberately *upper bounds* that follow how mlx-lm actually computes:
+
+- **KV growth.** ``KVCache`` grows by concatenation in 256-token steps. Growing from T to
+  T+C tokens allocates at most ``ceil(C/256)·256`` new slots in every layer (permanent), and
+  while one layer is being grown its old buffer and its new buffer coexist (transient: one
+  layer at a time, since layers run in sequence).
+- **Attention.** A fused kernel (Metal for head dims 64/72/80/96/128/192/256; CUDA's cuDNN
+  path for fp16/bf16 with head dims that are multiples of 8 up to 128) only needs
+  Q/K/V/output-sized buffers. Otherwise, and always on the CPU, the float32 score matrix
+  B × heads × C × (T+C) is materialised, plus the softmax output and the causal mask.
+- **Activations.** Hidden states (embedding, norm, residuals), the q/k/v/o projections
+  (before and after RoPE), and the MLP's gate/up/activation buffers, all for C tokens.
+- **Logits.** mlx-lm's prefill evaluates only the cache for all chunks but the last, and the
+  final step computes logits for one token per sequence: B × vocab × 4 bytes.
+
+Measured against MLX on the CPU (``bench/estimate_vs_measured.py``), the total stays between
+1× and about 2.5× the measured peak.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+KV_STEP = 256
+KV_QUANT_GROUP = 64  # mlx-lm's QuantizedKVCache default group size
+BACKENDS = ("cpu", "metal", "cuda")
+METAL_FUSED_HEAD_DIMS = frozenset({64, 72, 80, 96, 128, 192, 256})
+SCORE_BYTES = 4  # attention scores and softmax run in float32
+
+_DTYPE_BYTES = {
+    "float32": 4,
+    "float": 4,
+    "float16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "float64": 8,
+}
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """The shape numbers that determine memory use; nothing else about the model."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    dtype_bytes: int = 2  # bytes per activation/KV element (float32 → 4, bf16/fp16 → 2)
+    kv_bits: int | None = None  # quantized KV; None = dtype
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """2 (K and V) × layers × KV heads × head dim × bytes per element.
+
+        With quantized KV, elements take ``kv_bits/8`` bytes plus a scale and a bias (in the
+        activation dtype) per group of 64.
+        """
+        elements = 2 * self.num_layers * self.num_kv_heads * self.head_dim
+        if self.kv_bits is None:
+            return elements * self.dtype_bytes
+        packed = math.ceil(elements * self.kv_bits / 8)
+        groups = 2 * self.num_layers * self.num_kv_heads * math.ceil(self.head_dim / KV_QUANT_GROUP)
+        return packed + groups * 2 * self.dtype_bytes
+
+
+def _dtype_bytes_from_name(name: Any) -> int | None:
+    if name is None:
+        return None
+    key = str(name).rsplit(".", 1)[-1].lower()
+    return _DTYPE_BYTES.get(key)
+
+
+def _get(config: Mapping[str, Any], key: str) -> Any:
+    """Read ``key`` from the config, falling back to a nested ``text_config`` (VLMs)."""
+    if key in config and config[key] is not None:
+        return config[key]
+    text = config.get("text_config")
+    if isinstance(text, Mapping) and text.get(key) is not None:
+        return text[key]
+    return None
+
+
+def geometry_from_config(
+    config: Mapping[str, Any], dtype_bytes: int | None = None
+) -> ModelGeometry:
+    """Read an mlx-lm / Hugging Face ``config.json`` dict.
+
+    ``num_key_value_heads`` defaults to the head count and ``head_dim`` to hidden/heads;
+    the dtype comes from ``torch_dtype`` (or ``dtype``) unless given, defaulting to 2 bytes.
+    """
+
+    def need(key: str) -> int:
+        value = _get(config, key)
+        if value is None:
+            raise ValueError(f"model config lacks {key!r}")
+        return int(value)
+
+    heads = need("num_attention_heads")
+    hidden = need("hidden_size")
+    kv_heads = _get(config, "num_key_value_heads")
+    head_dim = _get(config, "head_dim")
+    if dtype_bytes is None:
+        dtype_bytes = (
+            _dtype_bytes_from_name(_get(config, "torch_dtype"))
+            or _dtype_bytes_from_name(_get(config, "dtype"))
+            or 2
+        )
+    return ModelGeometry(
+        num_layers=need("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=int(kv_heads) if kv_heads is not None else heads,
+        head_dim=int(head_dim) if head_dim is not None else hidden // heads,
+        hidden_size=hidden,
+        intermediate_size=need("intermediate_size"),
+        vocab_size=need("vocab_size"),
+        dtype_bytes=dtype_bytes,
+    )
+
+
+def _leaves(tree: Any) -> Iterator[Any]:
+    if isinstance(tree, Mapping):
+        for v in tree.values():
+            yield from _leaves(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _leaves(v)
+    else:
+        yield tree
+
+
+def _model_dtype_bytes(model: Any) -> int | None:
+    """Bytes of the first floating-point parameter (quantized weights are uint32: skipped)."""
+    params = getattr(model, "parameters", None)
+    if params is None:
+        return None
+    for leaf in _leaves(params()):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is not None and "float" in str(dtype):
+            return _dtype_bytes_from_name(dtype) or int(getattr(dtype, "size", 0)) or None
+    return None
+
+
+def geometry_from_model(model: Any, dtype_bytes: int | None = None) -> ModelGeometry:
+    """Read ``model.args`` (an mlx-lm ``ModelArgs`` dataclass) like a config dict; the dtype
+    comes from the model's first floating-point parameter unless given."""
+    args = getattr(model, "args", None)
+    if args is None:
+        raise ValueError("model has no .args; use geometry_from_config")
+    config = dict(vars(args))
+    text = config.get("text_config")
+    if text is not None and not isinstance(text, Mapping):
+        config["text_config"] = dict(vars(text))
+    if dtype_bytes is None:
+        dtype_bytes = _model_dtype_bytes(model)
+    return geometry_from_config(config, dtype_bytes=dtype_bytes)
+
+
+def _round_up(tokens: int, step: int = KV_STEP) -> int:
+    return -(-tokens // step) * step
+
+
+def kv_cache_bytes(geometry: ModelGeometry, tokens: int, batch: int = 1) -> int:
+    """Bytes allocated by a KV cache holding ``tokens`` tokens (rounded up to 256-token steps)."""
+    if tokens < 0 or batch < 0:
+        raise ValueError("tokens and batch must be non-negative")
+    return _round_up(tokens) * batch * geometry.kv_bytes_per_token
+
+
+@dataclass(frozen=True)
+class PrefillEstimate:
+    """The bytes one prefill chunk needs on top of current usage, by cause."""
+
+    kv_growth_bytes: int
+    attention_bytes: int
+    activation_bytes: int
+    logits_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return (
+            self.kv_growth_bytes + self.attention_bytes + self.activation_bytes + self.logits_bytes
+        )
+
+
+def fused_attention_available(geometry: ModelGeometry, backend: str) -> bool:
+    """Whether prefill attention avoids materialising the score matrix on ``backend``.
+
+    Quantized KV goes through mlx-lm's quantized attention, which is never fused.
+    Padded batches with array masks may still fall off the fused path: measure.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    if geometry.kv_bits is not None:
+        return False
+    if backend == "metal":
+        return geometry.head_dim in METAL_FUSED_HEAD_DIMS
+    if backend == "cuda":
+        return geometry.dtype_bytes == 2 and geometry.head_dim % 8 == 0 and geometry.head_dim <= 128
+    return False
+
+
+def estimate_prefill(
+    geometry: ModelGeometry,
+    *,
+    chunk_tokens: int,
+    context_tokens: int,
+    batch: int = 1,
+    backend: str = "cpu",
+) -> PrefillEstimate:
+    """Upper-bound the peak bytes of prefilling ``chunk_tokens`` after ``context_tokens``
+    already cached (see the module docstring for each term)."""
+    if chunk_tokens <= 0:
+        raise ValueError("chunk_tokens must be positive")
+    if context_tokens < 0 or batch <= 0:
+        raise ValueError("context_tokens must be >= 0 and batch > 0")
+    g = geometry
+    b, c, t = batch, chunk_tokens, context_tokens
+    span = t + c
+    dt = g.dtype_bytes
+
+    # KV: every layer gains up to ceil(C/256) steps; one layer's old and new buffers coexist.
+    per_token_layer = g.kv_bytes_per_token // g.num_layers
+    permanent = kv_cache_bytes(g, c, b)
+    old_layer = _round_up(t) * b * per_token_layer
+    new_layer = (t + _round_up(c)) * b * per_token_layer
+    kv_growth = permanent + old_layer + new_layer
+
+    # Attention for one layer at a time (layers run in sequence).
+    qo = 2 * b * g.num_heads * c * g.head_dim * dt
+    if fused_attention_available(g, backend):
+        kv_contig = 2 * b * g.num_kv_heads * span * g.head_dim * dt
+        attention = qo + kv_contig
+    else:
+        scores = b * g.num_heads * c * span * SCORE_BYTES
+        mask = c * span  # boolean causal mask
+        attention = 2 * scores + mask + qo
+
+    # Activations for C tokens.
+    hidden = 4 * b * c * g.hidden_size * dt
+    projections = 2 * b * c * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim * dt
+    projections += b * c * g.hidden_size * dt  # o_proj output
+    mlp = 3 * b * c * g.intermediate_size * dt
+    activation = hidden + projections + mlp
+
+    logits = b * g.vocab_size * 4
+    return PrefillEstimate(
+        kv_growth_bytes=kv_growth,
+        attention_bytes=attention,
+        activation_bytes=activation,
+        logits_bytes=logits,
+    )
+
+
+def estimate_decode_reservation(
+    geometry: ModelGeometry, *, prompt_tokens: int, max_tokens: int, batch: int = 1
+) -> int:
+    """KV bytes a request will hold at its longest: prompt + max_tokens, step-rounded."""
+    if prompt_tokens < 0 or max_tokens < 0:
+        raise ValueError("prompt_tokens and max_tokens must be non-negative")
+    return kv_cache_bytes(geometry, prompt_tokens + max_tokens, batch)
