@@ -1,0 +1,126 @@
+"""Turns the engine's state into the memory guard's questions, and its answers into values.
+
+The guard (memory/) knows bytes, ceilings and policy; this module knows what the engine
+holds: the decode batch, the caches of prompts being prefilled, and the prefix cache.
+
+Accounting. The decode batch is a left-padded `BatchKVCache`, so its KV grows to
+rows × the longest row's final length; admitting a request *commits* that growth, and
+what is committed but not yet allocated is passed to the guard as `committed_bytes`, so
+decoding can never outgrow what was admitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from memory import (
+    AdmissionQuery,
+    Decision,
+    MemoryGuard,
+    ModelGeometry,
+    Outcome,
+    TransientTracker,
+    estimate_prefill,
+    kv_cache_bytes,
+)
+
+from engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    tokens: int
+    predicted_bytes: int
+    decision: Decision
+
+
+class Admission:
+    def __init__(
+        self,
+        guard: MemoryGuard,
+        geometry: ModelGeometry,
+        *,
+        backend: str,
+        min_chunk_tokens: int = 32,
+        tracker: TransientTracker | None = None,
+    ) -> None:
+        self.guard = guard
+        self.geometry = geometry
+        self.backend = backend
+        self.min_chunk_tokens = min_chunk_tokens
+        self.tracker = tracker or TransientTracker()
+
+    def reservation_bytes(self, seqs: Iterable[Sequence]) -> int:
+        """KV the decode batch reaches if every admitted sequence runs to max_tokens,
+        plus one layer's copy for the 256-token growth step (MLX grows by concatenation)."""
+        finals = [s.final_len for s in seqs]
+        if not finals:
+            return 0
+        full = kv_cache_bytes(self.geometry, max(finals), batch=len(finals))
+        return full + full // max(self.geometry.num_layers, 1)
+
+    def committed_bytes(self, admitted: list[Sequence], allocated_kv: int) -> int:
+        return max(self.reservation_bytes(admitted) - allocated_kv, 0)
+
+    def preflight(
+        self,
+        seq: Sequence,
+        admitted: list[Sequence],
+        allocated_kv: int,
+        evictable: int,
+    ) -> Decision:
+        """Can the request's whole reservation, and its first chunk, ever be had?"""
+        before = self.reservation_bytes(admitted)
+        growth = self.reservation_bytes([*admitted, seq]) - before
+        first = self._chunk_prediction(seq, min(seq.chunk_tokens, max(seq.remaining_prefill, 1)))
+        return self.guard.check(
+            AdmissionQuery(
+                predicted_bytes=growth + first,
+                committed_bytes=max(before - allocated_kv, 0),
+                evictable_bytes=evictable,
+                releasable_bytes=max(before, allocated_kv),
+                request_id=seq.request_id,
+            )
+        )
+
+    def plan_chunk(
+        self,
+        seq: Sequence,
+        admitted: list[Sequence],
+        allocated_kv: int,
+        evictable: int,
+    ) -> ChunkPlan:
+        """Ask before the chunk; when it does not fit, halve it down to the floor first."""
+        committed = self.committed_bytes(admitted, allocated_kv)
+        releasable = max(self.reservation_bytes([s for s in admitted if s is not seq]), 0)
+        tokens = min(seq.chunk_tokens, seq.remaining_prefill)
+        while True:
+            predicted = self._chunk_prediction(seq, tokens)
+            decision = self.guard.check(
+                AdmissionQuery(
+                    predicted_bytes=predicted,
+                    committed_bytes=committed,
+                    evictable_bytes=evictable,
+                    releasable_bytes=releasable,
+                    request_id=seq.request_id,
+                )
+            )
+            if decision.outcome in (Outcome.ADMIT, Outcome.EVICT):
+                return ChunkPlan(tokens, predicted, decision)
+            if tokens <= self.min_chunk_tokens:
+                return ChunkPlan(tokens, predicted, decision)
+            tokens = max(tokens // 2, self.min_chunk_tokens)
+
+    def observe_chunk(self, tokens: int, peak_delta_bytes: int) -> None:
+        self.tracker.observe(tokens, peak_delta_bytes)
+
+    def _chunk_prediction(self, seq: Sequence, tokens: int) -> int:
+        estimate = estimate_prefill(
+            self.geometry,
+            chunk_tokens=max(tokens, 1),
+            context_tokens=seq.processed,
+            batch=1,
+            backend=self.backend,
+        )
+        return self.tracker.predict(max(tokens, 1), estimate.total_bytes)

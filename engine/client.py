@@ -1,0 +1,197 @@
+"""The asyncio side of the engine: submit, stream, abort; it never blocks on MLX.
+
+Requests go to the engine thread through its inbox. Outputs come back once per engine
+step, in one `loop.call_soon_threadsafe` call that fans them out to per-request queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from memory import MemoryGuard
+
+from engine.core import EngineConfig, EngineCore, EngineStats
+from engine.errors import EngineDeadError, QueueFullError
+from engine.loader import LoadedModel
+from engine.request import EngineRequest, RequestOutput
+
+log = logging.getLogger("mlx_headroom.engine")
+
+
+class RequestStream:
+    """Outputs of one request, in order; closing it early aborts the request."""
+
+    def __init__(self, client: EngineClient, request_id: str) -> None:
+        self.request_id = request_id
+        self._client = client
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    async def next(self) -> RequestOutput:
+        """The next output; raises the request's error (a 507 refusal, a dead engine)."""
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finish_reason is not None:
+            self.finished = True
+            if item.error is not None:
+                raise item.error
+        return item
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            yield await self.next()
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._client.abort(self.request_id)
+
+
+class EngineClient:
+    def __init__(
+        self,
+        *,
+        load: Callable[[], LoadedModel],
+        guard: MemoryGuard,
+        config: EngineConfig,
+        max_queue: int,
+    ) -> None:
+        self._load = load
+        self.guard = guard
+        self.config = config
+        self.max_queue = max_queue
+        self.core: EngineCore | None = None
+        self.loaded: LoadedModel | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._dead: BaseException | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        ready: asyncio.Future[None] = self._loop.create_future()
+
+        def on_ready(exc: BaseException | None) -> None:
+            if not ready.done():
+                ready.set_exception(exc) if exc else ready.set_result(None)
+
+        def main() -> None:
+            assert self._loop is not None
+            try:
+                self.loaded = self._load()
+                self.core = EngineCore(self.loaded, self.guard, self.config, self._publish)
+            except BaseException as exc:
+                log.exception("the engine failed to start")
+                self._dead = exc
+                self._loop.call_soon_threadsafe(on_ready, exc)
+                return
+            self._loop.call_soon_threadsafe(on_ready, None)
+            try:
+                self.core.run_forever()
+            except BaseException as exc:
+                log.exception("the engine thread died")
+                self._dead = exc
+                self._loop.call_soon_threadsafe(self._fail_all, exc)
+
+        self._thread = threading.Thread(target=main, name="mlx-headroom-engine", daemon=True)
+        self._thread.start()
+        await ready
+
+    @property
+    def alive(self) -> bool:
+        return (
+            self.core is not None
+            and self._dead is None
+            and self._thread is not None
+            and self._thread.is_alive()
+        )
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.core.stats if self.core else EngineStats()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._streams)
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Stop taking work; let what is in flight finish for `grace_s`, then cancel it."""
+        if self.core is None:
+            return
+        deadline = asyncio.get_running_loop().time() + grace_s
+        while self._streams and asyncio.get_running_loop().time() < deadline and self.alive:
+            await asyncio.sleep(0.05)
+        for request_id in list(self._streams):
+            self.abort(request_id)
+        self.core.stop()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10.0)
+
+    # ---- requests --------------------------------------------------------------------
+    def submit(self, request: EngineRequest) -> RequestStream:
+        if not self.alive or self.core is None:
+            raise EngineDeadError("the engine is not running")
+        if len(self._streams) >= self.config.max_concurrency + self.max_queue:
+            raise QueueFullError(
+                max(len(self._streams) - self.config.max_concurrency, 0), self.max_queue
+            )
+        if request.request_id in self._streams:
+            raise ValueError(f"duplicate request id {request.request_id}")
+        stream = RequestStream(self, request.request_id)
+        self._streams[request.request_id] = stream
+        self.core.submit(request)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.finished = True
+        if self.core is not None:
+            self.core.abort(request_id)
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the engine thread between two steps and return its result."""
+        if not self.alive or self.core is None:
+            raise EngineDeadError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+
+        def done(result: Any, exc: BaseException | None) -> None:
+            def settle() -> None:
+                if future.done():
+                    return
+                future.set_exception(exc) if exc else future.set_result(result)
+
+            loop.call_soon_threadsafe(settle)
+
+        self.core.call(fn, done)
+        return await future
+
+    # ---- engine thread → loop --------------------------------------------------------
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            stream._put(output)
+            if output.finish_reason is not None:
+                del self._streams[output.request_id]
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for stream in self._streams.values():
+            stream._put(EngineDeadError(f"the engine thread died: {exc}"))
+        self._streams.clear()

@@ -1,0 +1,371 @@
+"""The engine thread: it owns every MLX call, from loading the model to the last token.
+
+Its loop reads like a vLLM step: drain new requests and aborts, schedule (admission),
+run at most one prefill chunk, run one decode step for the batch, publish what came out.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from memory import Decision, MemoryGuard, Outcome
+
+from engine.admission import Admission
+from engine.decode_batch import DecodeBatch
+from engine.errors import InsufficientMemoryError
+from engine.loader import LoadedModel
+from engine.prefix_cache import PrefixCache, PrefixCacheStats
+from engine.request import EngineRequest, RequestOutput
+from engine.sequence import Sequence, RequestStatus
+
+log = logging.getLogger("mlx_headroom.engine")
+
+Publish = Callable[[list[RequestOutput]], None]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    prefill_step_size: int = 512
+    max_concurrency: int = 32
+    wait_timeout_s: float = 30.0
+    prefix_cache_bytes: int = 1 << 30
+    prefix_cache_entries: int = 16
+    min_chunk_tokens: int = 32
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Published after every step; read from any thread without a lock."""
+
+    waiting: int = 0
+    prefilling: int = 0
+    running: int = 0
+    committed_bytes: int = 0
+    kv_bytes: int = 0
+    prefix_cache: PrefixCacheStats | None = None
+    steps: int = 0
+    decode_steps: int = 0
+    prefill_chunks: int = 0
+    max_batch: int = 0
+    batched_steps: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class _Submit:
+    request: EngineRequest
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[], Any]
+    done: Callable[[Any, BaseException | None], None]
+
+
+class EngineCore:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        guard: MemoryGuard,
+        config: EngineConfig,
+        publish: Publish,
+    ) -> None:
+        self.model = loaded.model
+        self.loaded = loaded
+        self.guard = guard
+        self.config = config
+        self.publish = publish
+        self.admission = Admission(
+            guard, loaded.geometry, backend=loaded.backend, min_chunk_tokens=config.min_chunk_tokens
+        )
+        self.prefix_cache = PrefixCache(
+            max_bytes=config.prefix_cache_bytes, max_entries=config.prefix_cache_entries
+        )
+        self.batch = DecodeBatch(self.model)
+        self.waiting: deque[Sequence] = deque()
+        self.prefilling: list[Sequence] = []
+        self.inbox: queue.SimpleQueue[_Submit | _Abort | _Call | None] = queue.SimpleQueue()
+        self.stats = EngineStats()
+        self._counters = dict(
+            steps=0, decode_steps=0, prefill_chunks=0, batched_steps=0,
+            generated_tokens=0, prompt_tokens=0,
+        )
+        self._stop = False
+        self._outputs: list[RequestOutput] = []
+
+    # ---- called from other threads ------------------------------------------------
+    def submit(self, request: EngineRequest) -> None:
+        self.inbox.put(_Submit(request))
+
+    def abort(self, request_id: str) -> None:
+        self.inbox.put(_Abort(request_id))
+
+    def call(self, fn: Callable[[], Any], done: Callable[[Any, BaseException | None], None]) -> None:
+        """Run `fn` on the engine thread between steps (for anything touching MLX state)."""
+        self.inbox.put(_Call(fn, done))
+
+    def stop(self) -> None:
+        self._stop = True
+        self.inbox.put(None)
+
+    # ---- the engine thread ----------------------------------------------------------
+    def run_forever(self) -> None:
+        while not self._stop:
+            self._drain_inbox(block=not self._has_work())
+            if self._stop:
+                break
+            self.step()
+        self._abort_all("the server is shutting down")
+
+    def step(self) -> None:
+        self._schedule_waiting()
+        self._prefill_one_chunk()
+        self._decode()
+        self._counters["steps"] += 1
+        self._publish_stats()
+        if self._outputs:
+            outputs, self._outputs = self._outputs, []
+            self.publish(outputs)
+
+    def _has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or len(self.batch))
+
+    def _drain_inbox(self, *, block: bool) -> None:
+        try:
+            item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if item is None:
+                return
+            if isinstance(item, _Submit):
+                self.waiting.append(Sequence(item.request, chunk_tokens=self.config.prefill_step_size))
+            elif isinstance(item, _Abort):
+                self._abort(item.request_id)
+            else:
+                try:
+                    item.done(item.fn(), None)
+                except BaseException as exc:  # the caller gets the error, the engine lives on
+                    item.done(None, exc)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    # ---- admission -------------------------------------------------------------------
+    def _admitted(self) -> list[Sequence]:
+        return [*self.prefilling, *self.batch.seqs]
+
+    def _allocated_kv(self) -> int:
+        return self.batch.kv_nbytes() + sum(s.kv_nbytes() for s in self.prefilling)
+
+    def _protected(self) -> frozenset[tuple[int, ...]]:
+        keys = {s.prefix_key for s in [*self.waiting, *self.prefilling] if s.prefix_key}
+        return frozenset(keys)
+
+    def _schedule_waiting(self) -> None:
+        """Admit waiting requests first come, first served, while they fit."""
+        now = time.monotonic()
+        while self.waiting and len(self._admitted()) < self.config.max_concurrency:
+            seq = self.waiting[0]
+            if seq.caches is None:
+                self._lookup_prefix(seq)
+            decision = self.admission.preflight(
+                seq, self._admitted(), self._allocated_kv(),
+                self.prefix_cache.evictable_bytes(self._protected()),
+            )
+            if not self._act_on(seq, decision, now):
+                return
+            self.waiting.popleft()
+            seq.status = RequestStatus.PREFILLING
+            seq.wait_since = None
+            self.prefilling.append(seq)
+
+    def _lookup_prefix(self, seq: Sequence) -> None:
+        hit = self.prefix_cache.lookup(seq.request.prompt_tokens)
+        if hit is None:
+            seq.caches = self.loaded.make_cache()
+            return
+        seq.caches = hit.caches
+        seq.processed = seq.cached_tokens = hit.cached_tokens
+        seq.prefix_key = hit.key
+
+    def _act_on(self, seq: Sequence, decision: Decision, now: float) -> bool:
+        """Evict, wait or refuse as the decision says; True when the work may go ahead."""
+        if decision.outcome is Outcome.ADMIT:
+            return True
+        if decision.outcome is Outcome.EVICT:
+            self.prefix_cache.evict(decision.bytes_to_free, self._protected())
+            mx.clear_cache()
+            return True
+        if decision.outcome is Outcome.WAIT:
+            mx.clear_cache()
+            if seq.wait_since is None:
+                seq.wait_since = now
+            if now - seq.wait_since < self.config.wait_timeout_s:
+                return False
+            self._refuse(seq, decision, timed_out=True)
+            return False
+        self._refuse(seq, decision, timed_out=False)
+        return False
+
+    def _refuse(self, seq: Sequence, decision: Decision, *, timed_out: bool) -> None:
+        waited = time.monotonic() - (seq.wait_since or time.monotonic())
+        if timed_out:
+            message = (
+                f"Waited {waited:.1f}s for memory and gave up: {decision.reason} "
+                "Retry when fewer requests are running."
+            )
+            code = "memory_wait_timeout"
+        else:
+            message = decision.reason
+            code = decision.code or "prefill_memory_exceeded"
+        error = InsufficientMemoryError(
+            message,
+            code=code,
+            estimated_bytes=decision.needed_bytes,
+            limit_bytes=decision.limit_bytes,
+            binding=decision.binding,
+            retryable=timed_out,
+        )
+        log.info("refused request %s: %s (%s)", seq.request_id, code, decision.binding)
+        self._finish(seq, RequestStatus.FINISHED_REJECTED, error=error)
+
+    # ---- prefill ---------------------------------------------------------------------
+    def _prefill_one_chunk(self) -> None:
+        if not self.prefilling:
+            return
+        seq = self.prefilling[0]
+        if seq.remaining_prefill > 0:
+            plan = self.admission.plan_chunk(
+                seq, self._admitted(), self._allocated_kv(),
+                self.prefix_cache.evictable_bytes(self._protected()),
+            )
+            if not self._act_on(seq, plan.decision, time.monotonic()):
+                return
+            seq.wait_since = None
+            self._run_chunk(seq, plan.tokens)
+        if seq.remaining_prefill == 0:
+            self._join_batch(seq)
+
+    def _run_chunk(self, seq: Sequence, tokens: int) -> None:
+        assert seq.caches is not None
+        start = seq.processed
+        chunk = mx.array(seq.request.prompt_tokens[start : start + tokens])[None]
+        active_before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        self.model(chunk, cache=seq.caches)
+        mx.eval([c.state for c in seq.caches])
+        self.admission.observe_chunk(tokens, max(mx.get_peak_memory() - active_before, 0))
+        mx.clear_cache()
+        seq.processed += tokens
+        self._counters["prefill_chunks"] += 1
+        self._counters["prompt_tokens"] += tokens
+
+    def _join_batch(self, seq: Sequence) -> None:
+        assert seq.caches is not None
+        prompt = seq.request.prompt_tokens
+        if seq.processed > seq.cached_tokens and seq.processed > 0:
+            self.prefix_cache.insert(prompt[: seq.processed], seq.caches)
+        self.prefilling.remove(seq)
+        self.batch.join(seq, seq.caches, prompt[-1])
+        seq.caches = None
+        seq.prefix_key = None
+        seq.status = RequestStatus.RUNNING
+
+    # ---- decode ----------------------------------------------------------------------
+    def _decode(self) -> None:
+        if not len(self.batch):
+            return
+        produced = self.batch.step()
+        self._counters["decode_steps"] += 1
+        self._counters["generated_tokens"] += len(produced)
+        if len(produced) > 1:
+            self._counters["batched_steps"] += 1
+        finished: list[Sequence] = []
+        for item in produced:
+            seq = item.seq
+            seq.generated += 1
+            status = None
+            if item.token in seq.request.stop_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif seq.generated >= seq.request.max_tokens:
+                status = RequestStatus.FINISHED_LENGTH
+            emitted = () if status is RequestStatus.FINISHED_STOPPED else (item.token,)
+            logprobs = (item.logprob,) if item.logprob is not None and emitted else ()
+            if status is None:
+                self._outputs.append(RequestOutput(seq.request_id, emitted, logprobs))
+            else:
+                seq.status = status
+                finished.append(seq)
+                self._outputs.append(
+                    RequestOutput(
+                        seq.request_id, emitted, logprobs,
+                        finish_reason="stop" if status is RequestStatus.FINISHED_STOPPED else "length",
+                        cached_tokens=seq.cached_tokens,
+                    )
+                )
+        self.batch.remove(finished)
+
+    # ---- endings ---------------------------------------------------------------------
+    def _abort(self, request_id: str) -> None:
+        for seq in [*self.waiting, *self.prefilling, *self.batch.seqs]:
+            if seq.request_id == request_id:
+                self._finish(seq, RequestStatus.FINISHED_ABORTED)
+                return
+
+    def _finish(self, seq: Sequence, status: RequestStatus, error: Exception | None = None) -> None:
+        seq.status = status
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.prefilling:
+            self.prefilling.remove(seq)
+        elif seq in self.batch.seqs:
+            self.batch.remove([seq])
+        seq.caches = None
+        seq.prefix_key = None
+        reason = "abort" if status is RequestStatus.FINISHED_ABORTED else "rejected"
+        self._outputs.append(
+            RequestOutput(seq.request_id, (), finish_reason=reason, cached_tokens=seq.cached_tokens, error=error)
+        )
+
+    def _abort_all(self, why: str) -> None:
+        for seq in [*self.waiting, *self.prefilling, *self.batch.seqs]:
+            self._finish(seq, RequestStatus.FINISHED_ABORTED)
+        if self._outputs:
+            outputs, self._outputs = self._outputs, []
+            self.publish(outputs)
+        log.info("engine stopped: %s", why)
+
+    def _publish_stats(self) -> None:
+        c = self._counters
+        admitted = self._admitted()
+        allocated = self._allocated_kv()
+        self.stats = EngineStats(
+            waiting=len(self.waiting),
+            prefilling=len(self.prefilling),
+            running=len(self.batch),
+            committed_bytes=self.admission.reservation_bytes(admitted),
+            kv_bytes=allocated,
+            prefix_cache=self.prefix_cache.stats(),
+            steps=c["steps"],
+            decode_steps=c["decode_steps"],
+            prefill_chunks=c["prefill_chunks"],
+            max_batch=self.batch.max_batch_seen,
+            batched_steps=c["batched_steps"],
+            generated_tokens=c["generated_tokens"],
+            prompt_tokens=c["prompt_tokens"],
+        )

@@ -1,0 +1,104 @@
+"""Loading a model on the engine thread: a local mlx-lm directory, a hub id, or the default."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from memory import ModelGeometry, geometry_from_model
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from engine.tiny_model import ensure_default_model
+
+log = logging.getLogger("mlx_headroom.engine")
+
+DEFAULT_MODEL = "default"
+
+
+def backend_name() -> str:
+    if mx.metal.is_available():
+        return "metal"
+    if mx.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: Any
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    model_id: str
+    path: str
+    geometry: ModelGeometry
+    backend: str
+    context_length: int
+    weight_bytes: int
+
+    def make_cache(self) -> list[KVCache]:
+        return make_prompt_cache(self.model)
+
+
+def _context_length(path: Path | None, tokenizer: Any, default: int = 8192) -> int:
+    if path is not None and (path / "config.json").exists():
+        config = json.loads((path / "config.json").read_text())
+        for key in ("max_position_embeddings", "max_sequence_length", "n_positions"):
+            if isinstance(config.get(key), int):
+                return int(config[key])
+    limit = getattr(getattr(tokenizer, "_tokenizer", None), "model_max_length", None)
+    return int(limit) if isinstance(limit, int) and limit < 10**8 else default
+
+
+def load_model(
+    model: str = DEFAULT_MODEL,
+    *,
+    model_id: str | None = None,
+    progress: Callable[[str], None] = log.info,
+) -> LoadedModel:
+    import mlx_lm
+
+    started = time.monotonic()
+    if model == DEFAULT_MODEL:
+        progress("building the embedded default model (first use only)")
+        source = str(ensure_default_model())
+        name = model_id or "mlx-headroom/tiny-chat"
+    else:
+        source = model
+        name = model_id or model
+    progress(f"loading model {name} from {source}")
+    loaded_model, tokenizer = mlx_lm.load(source)
+    mx.eval(loaded_model.parameters())
+    path = Path(source) if Path(source).exists() else None
+    if path is None:
+        from mlx_lm.utils import _download
+
+        path = Path(_download(source))
+    geometry = geometry_from_model(loaded_model)
+    weight_bytes = sum(v.nbytes for _, v in _flatten(loaded_model.parameters()))
+    loaded = LoadedModel(
+        model=loaded_model,
+        tokenizer=tokenizer,
+        model_id=name,
+        path=str(path),
+        geometry=geometry,
+        backend=backend_name(),
+        context_length=_context_length(path, tokenizer),
+        weight_bytes=weight_bytes,
+    )
+    progress(
+        f"loaded {name} in {time.monotonic() - started:.1f}s: {weight_bytes / 2**20:.1f} MiB of "
+        f"weights, {geometry.num_layers} layers, context {loaded.context_length}, "
+        f"backend {loaded.backend}"
+    )
+    return loaded
+
+
+def _flatten(tree: Any, prefix: str = "") -> list[tuple[str, mx.array]]:
+    from mlx.utils import tree_flatten
+
+    return list(tree_flatten(tree))

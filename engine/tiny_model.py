@@ -1,0 +1,227 @@
+"""The embedded default model: a tiny, deterministic mlx-lm model built on first use.
+
+Model hubs may be unreachable, and tests must run real MLX on a real model, so the
+project builds its own: a Llama-architecture model with seeded random float32 weights,
+a byte-level BPE tokenizer (every byte is a token, so any text round-trips), and a
+ChatML chat template whose end-of-turn token is the model's EOS. The output is
+gibberish, but it is a real mlx-lm model directory that `mlx_lm.load` reads like any
+other, and the same seed always gives the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+BUILD_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TinyModelShape:
+    """Geometry of the tiny model; the defaults are small enough for a 2-core CPU."""
+
+    hidden_size: int = 128
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 256
+    max_position_embeddings: int = 8192
+    seed: int = 0
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("MLX_HEADROOM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "mlx-headroom"
+    )
+    return Path(base)
+
+
+def default_model_path(shape: TinyModelShape = TinyModelShape()) -> Path:
+    return default_cache_dir() / f"tiny-chat-v{BUILD_VERSION}-s{shape.seed}-h{shape.hidden_size}"
+
+
+def _byte_vocab() -> dict[str, int]:
+    # GPT-2's byte-to-unicode table: ByteLevel pre-tokenisation maps each byte to one of
+    # these printable characters, so a BPE with no merges is exactly a byte tokenizer.
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(
+        range(0xAE, 0x100)
+    )
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {chars[b]: b for b in range(256)}
+
+
+def tokenizer_json() -> dict[str, object]:
+    vocab = _byte_vocab()
+    added = [
+        {
+            "id": 256 + i,
+            "content": tok,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for i, tok in enumerate(SPECIAL_TOKENS)
+    ]
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": {
+            "type": "ByteLevel",
+            "add_prefix_space": False,
+            "trim_offsets": True,
+            "use_regex": True,
+        },
+        "post_processor": None,
+        "decoder": {
+            "type": "ByteLevel",
+            "add_prefix_space": False,
+            "trim_offsets": True,
+            "use_regex": True,
+        },
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": [],
+        },
+    }
+
+
+def _config(shape: TinyModelShape, vocab_size: int) -> dict[str, object]:
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": shape.hidden_size,
+        "num_hidden_layers": shape.num_hidden_layers,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_key_value_heads,
+        "head_dim": shape.hidden_size // shape.num_attention_heads,
+        "intermediate_size": shape.intermediate_size,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": shape.max_position_embeddings,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "bos_token_id": None,
+        "eos_token_id": 256 + SPECIAL_TOKENS.index("<|im_end|>"),
+        "mlx_headroom": {"builder": "tiny_model", "version": BUILD_VERSION, **asdict(shape)},
+    }
+
+
+def _weights(shape: TinyModelShape, vocab_size: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(shape.seed)
+    h, inter = shape.hidden_size, shape.intermediate_size
+    head_dim = h // shape.num_attention_heads
+    kv = shape.num_key_value_heads * head_dim
+
+    def dense(out_dim: int, in_dim: int) -> np.ndarray:
+        return (rng.standard_normal((out_dim, in_dim)) / np.sqrt(in_dim)).astype(np.float32)
+
+    weights: dict[str, np.ndarray] = {
+        "model.embed_tokens.weight": rng.standard_normal((vocab_size, h)).astype(np.float32),
+        "model.norm.weight": np.ones(h, np.float32),
+    }
+    for i in range(shape.num_hidden_layers):
+        p = f"model.layers.{i}."
+        weights |= {
+            p + "self_attn.q_proj.weight": dense(h, h),
+            p + "self_attn.k_proj.weight": dense(kv, h),
+            p + "self_attn.v_proj.weight": dense(kv, h),
+            p + "self_attn.o_proj.weight": dense(h, h),
+            p + "mlp.gate_proj.weight": dense(inter, h),
+            p + "mlp.up_proj.weight": dense(inter, h),
+            p + "mlp.down_proj.weight": dense(h, inter),
+            p + "input_layernorm.weight": np.ones(h, np.float32),
+            p + "post_attention_layernorm.weight": np.ones(h, np.float32),
+        }
+    # Favour printable ASCII in the output so that what the model says is readable, and
+    # never produce the special tokens by chance (generation then ends on max_tokens or a
+    # stop string, which keeps tests about lengths deterministic).
+    head = dense(vocab_size, h) * 4.0
+    readable = np.zeros(vocab_size, bool)
+    vocab = _byte_vocab()
+    for ch, idx in vocab.items():
+        byte = idx
+        readable[idx] = 32 <= byte < 127
+        del ch
+    head[~readable] *= 0.05
+    head[256:] = 0.0
+    weights["lm_head.weight"] = head
+    return weights
+
+
+def build_tiny_model(path: Path, shape: TinyModelShape = TinyModelShape()) -> Path:
+    """Write a complete mlx-lm model directory at `path` (atomically) and return it."""
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    vocab_size = 256 + len(SPECIAL_TOKENS)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(_weights(shape, vocab_size), str(tmp / "model.safetensors"))
+    (tmp / "tokenizer.json").write_text(json.dumps(tokenizer_json()))
+    (tmp / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "model_max_length": shape.max_position_embeddings,
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "unk_token": None,
+                "add_bos_token": False,
+                "add_eos_token": False,
+                "clean_up_tokenization_spaces": False,
+                "chat_template": CHAT_TEMPLATE,
+            }
+        )
+    )
+    (tmp / "special_tokens_map.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
+    )
+    (tmp / "config.json").write_text(json.dumps(_config(shape, vocab_size), indent=2))
+    try:
+        tmp.rename(path)
+    except OSError:  # another process finished first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def ensure_default_model() -> Path:
+    return build_tiny_model(default_model_path())
+
+
+if __name__ == "__main__":
+    print(ensure_default_model())

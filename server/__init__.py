@@ -1,0 +1,1 @@
+"""HTTP only: schemas, routes, OpenAI-style errors, settings, the command line."""

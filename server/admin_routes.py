@@ -1,0 +1,127 @@
+"""Operational routes: health, version, the memory guard and the live memory view."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from memory import Tier
+
+from engine import backend_name
+from server.errors import BadRequest
+from server.schemas import MemoryGuardUpdate
+from server.state import get_state
+
+router = APIRouter()
+
+
+def _version(package: str) -> str:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    state = get_state(request)
+    ok = state.ready and not state.shutting_down
+    body = {"status": "ok" if ok else "unavailable", "model_loaded": state.engine.loaded is not None,
+            "engine_alive": state.engine.alive}
+    return JSONResponse(body, status_code=200 if ok else 503)
+
+
+@router.get("/v1/version")
+async def get_version() -> dict[str, str]:
+    return {
+        "version": os.environ.get("MLX_HEADROOM_VERSION") or _version("mlx-headroom"),
+        "mlx": _version("mlx"),
+        "mlx_lm": _version("mlx-lm"),
+        "backend": backend_name(),
+    }
+
+
+def _guard_state(request: Request) -> dict[str, Any]:
+    s = get_state(request).guard.state()
+    return {"enabled": s.enabled, "tier": s.tier.value, "ceiling_bytes": s.ceiling_bytes}
+
+
+@router.get("/v1/memory-guard")
+async def get_memory_guard(request: Request) -> dict[str, Any]:
+    return _guard_state(request)
+
+
+@router.put("/v1/memory-guard")
+async def put_memory_guard(update: MemoryGuardUpdate, request: Request) -> dict[str, Any]:
+    guard = get_state(request).guard
+    try:
+        guard.configure(
+            enabled=update.enabled,
+            tier=Tier(update.tier) if update.tier is not None else None,
+            ceiling_bytes=update.ceiling_bytes,
+        )
+    except ValueError as exc:
+        raise BadRequest(str(exc), code="invalid_memory_guard", param="tier") from exc
+    return _guard_state(request)
+
+
+@router.get("/v1/memory")
+async def memory_view(request: Request) -> dict[str, Any]:
+    state = get_state(request)
+    guard = state.guard
+    snapshot = guard.snapshot()
+    ceiling = guard.ceiling(snapshot)
+    stats = state.engine.stats
+    prefix = stats.prefix_cache
+    return {
+        "platform": snapshot.platform,
+        "usage_bytes": snapshot.footprint_bytes - snapshot.allocator_cache_bytes,
+        "footprint_bytes": snapshot.footprint_bytes,
+        "allocator": {
+            "active_bytes": snapshot.allocator_active_bytes,
+            "cache_bytes": snapshot.allocator_cache_bytes,
+        },
+        "system": {
+            "total_bytes": snapshot.total_bytes,
+            "free_bytes": snapshot.free_bytes,
+            "inactive_bytes": snapshot.inactive_bytes,
+            "active_bytes": snapshot.active_bytes,
+            "wired_bytes": snapshot.wired_bytes,
+            "device_cap_bytes": snapshot.device_cap_bytes,
+        },
+        "guard": _guard_state(request),
+        "ceiling": {
+            "hard_bytes": ceiling.hard_bytes,
+            "binding": ceiling.binding,
+            "tier": ceiling.tier.value,
+            "components": dict(ceiling.components),
+        },
+        "committed_bytes": stats.committed_bytes,
+        "kv_bytes": stats.kv_bytes,
+        "prefix_cache": {
+            "bytes": prefix.bytes if prefix else 0,
+            "entries": prefix.entries if prefix else 0,
+            "hits": prefix.hits if prefix else 0,
+            "misses": prefix.misses if prefix else 0,
+            "evictions": prefix.evictions if prefix else 0,
+            "max_bytes": prefix.max_bytes if prefix else 0,
+        },
+        "queue": {"waiting": stats.waiting, "prefilling": stats.prefilling, "running": stats.running},
+        "engine": {k: v for k, v in asdict(stats).items() if k != "prefix_cache"},
+        "decisions": [
+            {
+                "at": d.at,
+                "request_id": d.request_id,
+                "outcome": d.outcome.value,
+                "reason": d.reason,
+                "needed_bytes": d.needed_bytes,
+                "limit_bytes": d.limit_bytes,
+                "binding": d.binding,
+            }
+            for d in guard.recent_decisions()
+        ],
+    }

@@ -1,0 +1,79 @@
+"""The FastAPI application: wiring settings, the memory guard and the engine together."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
+from memory import MemoryGuard, Probe, Tier, detect_probe
+
+from engine import EngineClient, EngineConfig, LoadedModel, load_model
+from server.admin_routes import router as admin_router
+from server.errors import install_error_handlers
+from server.openai_routes import router as openai_router
+from server.settings import Settings
+from server.state import ServerState
+
+log = logging.getLogger("mlx_headroom.server")
+
+DASHBOARD_DIR = Path(__file__).resolve().parent.parent / "dashboard"
+
+
+def make_guard(settings: Settings, probe: Probe | None = None) -> MemoryGuard:
+    return MemoryGuard(
+        probe or detect_probe(settings.memory_probe),
+        enabled=settings.memory_guard,
+        tier=Tier(settings.memory_tier),
+        custom_ceiling_bytes=settings.memory_ceiling_bytes,
+    )
+
+
+def engine_config(settings: Settings) -> EngineConfig:
+    return EngineConfig(
+        prefill_step_size=settings.prefill_step_size,
+        max_concurrency=settings.max_concurrency,
+        wait_timeout_s=settings.memory_wait_timeout_s,
+        prefix_cache_bytes=settings.prefix_cache_bytes,
+        prefix_cache_entries=settings.prefix_cache_entries,
+        min_chunk_tokens=settings.min_prefill_chunk,
+    )
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    probe: Probe | None = None,
+    load: Callable[[], LoadedModel] | None = None,
+) -> FastAPI:
+    settings = settings or Settings()
+    guard = make_guard(settings, probe)
+    engine = EngineClient(
+        load=load or (lambda: load_model(settings.model, model_id=settings.public_model_name)),
+        guard=guard,
+        config=engine_config(settings),
+        max_queue=settings.max_queue,
+    )
+    state = ServerState(settings=settings, engine=engine, guard=guard)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        log.info("ready: serving %s", state.model_name)
+        yield
+        state.shutting_down = True
+        log.info("shutting down: finishing %d requests (grace %.0fs)",
+                 engine.in_flight, settings.shutdown_grace_s)
+        await engine.shutdown(settings.shutdown_grace_s)
+
+    app = FastAPI(title="mlx-headroom", version="0.1.0", lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+    app.include_router(openai_router)
+    app.include_router(admin_router)
+    if DASHBOARD_DIR.is_dir():
+        app.mount("/dashboard", StaticFiles(directory=DASHBOARD_DIR, html=True), name="dashboard")
+    return app

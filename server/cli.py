@@ -1,0 +1,73 @@
+"""`mlx-headroom serve`: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+import uvicorn
+
+from server.settings import Settings
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlx-headroom", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    serve.add_argument("--model", help="mlx-lm model directory or hub id ('default': the embedded tiny model)")
+    serve.add_argument("--served-model-name")
+    serve.add_argument("--host", help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--max-concurrency", type=int)
+    serve.add_argument("--max-queue", type=int)
+    serve.add_argument("--prefill-step-size", type=int)
+    serve.add_argument("--memory-tier", choices=["safe", "balanced", "aggressive", "custom"])
+    serve.add_argument("--memory-ceiling-bytes", type=int)
+    serve.add_argument("--memory-probe", choices=["auto", "macos", "linux", "cuda", "allocator"])
+    serve.add_argument("--no-memory-guard", dest="memory_guard", action="store_false", default=None)
+    serve.add_argument("--api-key")
+    serve.add_argument("--allow-unauthenticated", action="store_true", default=None)
+    serve.add_argument("--log-level")
+    sub.add_parser("build-default-model", help="build the embedded default model and print its path")
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    overrides: dict[str, Any] = {
+        k: v for k, v in vars(args).items() if k != "command" and v is not None
+    }
+    return Settings(**overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "build-default-model":
+        from engine.tiny_model import ensure_default_model
+
+        print(ensure_default_model())
+        return 0
+    settings = settings_from_args(args)
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from server.app import create_app
+
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 5,
+        access_log=False,
+    )
+    uvicorn.Server(config).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

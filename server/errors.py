@@ -1,0 +1,161 @@
+"""HTTP errors as OpenAI error objects: `{"error": {"message", "type", "param", "code"}}`.
+
+    APIError                  any error this server reports on purpose
+    ├── BadRequest (400)      invalid JSON or fields; context_length_exceeded
+    ├── Unauthorized (401)
+    ├── NotFound (404)        unknown model or route
+    ├── PayloadTooLarge (413)
+    ├── TooManyRequests (429) waiting queue full; with Retry-After
+    ├── InsufficientStorage (507) the memory guard refused; with the guard's numbers
+    └── ServiceUnavailable (503) the engine is not running
+
+Engine errors are translated here, at the boundary, so the engine never knows HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine import (
+    ContextLengthError,
+    EngineDeadError,
+    InsufficientMemoryError,
+    QueueFullError,
+)
+
+log = logging.getLogger("mlx_headroom.server")
+
+
+class APIError(Exception):
+    status = 500
+    type = "server_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+        self.extra = extra or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+                **self.extra,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class BadRequest(APIError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(APIError):
+    status = 401
+    type = "authentication_error"
+
+
+class NotFound(APIError):
+    status = 404
+    type = "invalid_request_error"
+
+
+class PayloadTooLarge(APIError):
+    status = 413
+    type = "invalid_request_error"
+
+
+class TooManyRequests(APIError):
+    status = 429
+    type = "rate_limit_error"
+
+
+class InsufficientStorage(APIError):
+    status = 507
+    type = "insufficient_memory"
+
+
+class ServiceUnavailable(APIError):
+    status = 503
+    type = "service_unavailable"
+
+
+def from_engine_error(exc: Exception) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InsufficientMemoryError):
+        headers = (
+            {"Retry-After": str(exc.retry_after_s), "x-should-retry": "true"}
+            if exc.retryable
+            else {"x-should-retry": "false"}
+        )
+        return InsufficientStorage(exc.args[0], code=exc.code, headers=headers, extra=exc.details())
+    if isinstance(exc, QueueFullError):
+        return TooManyRequests(str(exc), code="queue_full", headers={"Retry-After": "1"})
+    if isinstance(exc, ContextLengthError):
+        return BadRequest(str(exc), code="context_length_exceeded", param="messages")
+    if isinstance(exc, EngineDeadError):
+        return ServiceUnavailable(str(exc), code="engine_unavailable")
+    log.exception("unexpected error", exc_info=exc)
+    return APIError("internal error; the server keeps running", code="internal_error")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('msg')}", None
+    where = f" at '{param}'" if param else ""
+    return f"invalid request{where}: {first.get('msg')}", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return BadRequest(message, code="invalid_request", param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        cls = {404: NotFound, 401: Unauthorized, 413: PayloadTooLarge}.get(exc.status_code)
+        if cls is None:
+            err = APIError(str(exc.detail), code=f"http_{exc.status_code}")
+            err.status = exc.status_code
+            err.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        else:
+            err = cls(str(exc.detail), code=f"http_{exc.status_code}")
+        return err.response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return from_engine_error(exc).response()

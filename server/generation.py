@@ -1,0 +1,220 @@
+"""From an API request to engine requests and back: tokenise, submit, gather or stream.
+
+One `Generation` is one HTTP request with `n` choices; each choice is an engine request.
+Streaming responses hold their HTTP status until the first token (or a refusal) arrives,
+so a memory refusal is a real 507, never a 200 followed by an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from engine import EngineClient, EngineRequest, RequestOutput, RequestStream, SamplingParams
+from server.errors import APIError, BadRequest, from_engine_error
+from server.text_stream import ChoiceText, TextDelta
+
+_DONE = object()
+
+
+@dataclass
+class ChoiceResult:
+    index: int
+    text: ChoiceText
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+    logprobs: list[Any] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    prompt_tokens: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stops: list[str]
+    n: int
+
+
+def prepare(
+    *,
+    prompt_tokens: list[int],
+    body: Any,
+    context_length: int,
+    default_max_tokens: int,
+    max_tokens_cap: int,
+    logprobs: bool,
+    top_logprobs: int,
+) -> Prepared:
+    """Validate lengths against the context and build the sampling parameters."""
+    room = context_length - len(prompt_tokens)
+    requested = body.requested_max_tokens
+    if requested is not None and requested > max_tokens_cap:
+        raise BadRequest(
+            f"max_tokens is {requested}, above this server's cap of {max_tokens_cap}",
+            code="max_tokens_too_large", param="max_tokens",
+        )
+    if room < 1 or (requested is not None and requested > room):
+        total = len(prompt_tokens) + (requested or 1)
+        raise BadRequest(
+            f"This model's maximum context length is {context_length} tokens. However, you "
+            f"requested {total} tokens ({len(prompt_tokens)} in the prompt, "
+            f"{requested or 1} for the completion). Shorten the prompt or lower max_tokens.",
+            code="context_length_exceeded", param="messages",
+        )
+    max_tokens = requested or min(default_max_tokens, room)
+    sampling = SamplingParams(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=max(body.top_k, 0),
+        min_p=body.min_p,
+        seed=body.seed,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+    return Prepared(prompt_tokens, max_tokens, sampling, body.stop_list, body.n)
+
+
+class Generation:
+    """The engine requests behind one HTTP request, merged into one ordered feed."""
+
+    def __init__(self, engine: EngineClient, tokenizer: Any, prepared: Prepared) -> None:
+        self.id = uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.prepared = prepared
+        self.started = time.monotonic()
+        self.first_token_at: float | None = None
+        self.choices = [
+            ChoiceResult(i, ChoiceText(tokenizer, prepared.stops)) for i in range(prepared.n)
+        ]
+        self._streams: list[RequestStream] = []
+        self._feed: asyncio.Queue[tuple[int, RequestOutput | BaseException] | object] = (
+            asyncio.Queue()
+        )
+        self._pumps: list[asyncio.Task[None]] = []
+        stop_ids = frozenset(tokenizer.eos_token_ids)
+        for i in range(prepared.n):
+            sampling = prepared.sampling
+            if sampling.seed is not None and i > 0:
+                sampling = SamplingParams(**{**sampling.__dict__, "seed": sampling.seed + i})
+            request = EngineRequest(
+                request_id=f"{self.id}-{i}",
+                prompt_tokens=tuple(prepared.prompt_tokens),
+                max_tokens=prepared.max_tokens,
+                sampling=sampling,
+                stop_token_ids=stop_ids,
+                arrival=self.started,
+            )
+            try:
+                self._streams.append(engine.submit(request))
+            except Exception as exc:
+                self.close()
+                raise from_engine_error(exc) from exc
+        self._pumps = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(self._streams)]
+
+    async def _pump(self, index: int, stream: RequestStream) -> None:
+        try:
+            while not stream.finished:
+                output = await stream.next()
+                await self._feed.put((index, output))
+        except BaseException as exc:
+            await self._feed.put((index, exc))
+        finally:
+            await self._feed.put(_DONE)
+
+    async def events(self) -> AsyncIterator[tuple[ChoiceResult, TextDelta, str | None]]:
+        """(choice, new text, finish reason or None) until every choice has finished.
+
+        Raises the first engine error as an APIError.
+        """
+        while any(c.finish_reason is None for c in self.choices):
+            item = await self._feed.get()
+            if item is _DONE:
+                continue
+            index, output = item  # type: ignore[misc]
+            if isinstance(output, BaseException):
+                raise from_engine_error(output) if isinstance(output, Exception) else output
+            choice = self.choices[index]
+            if choice.finish_reason is not None:
+                continue
+            if self.first_token_at is None and output.new_tokens:
+                self.first_token_at = time.monotonic()
+            delta = choice.text.add(output.new_tokens, output.logprobs)
+            finish = output.finish_reason
+            if delta.stopped:
+                finish = "stop"
+                self._streams[index].abort()
+            elif finish is not None:
+                tail = choice.text.finish()
+                delta = TextDelta(delta.text + tail.text, delta.logprobs, tail.stopped)
+            if finish is not None:
+                choice.finish_reason = finish
+                choice.cached_tokens = output.cached_tokens
+            choice.logprobs.extend(delta.logprobs)
+            yield choice, delta, finish
+
+    async def first_event(self) -> tuple[ChoiceResult, TextDelta, str | None] | None:
+        """Wait for the first event; errors raise here, before any HTTP status is sent."""
+        self._iter = self.events()
+        try:
+            return await self._iter.__anext__()
+        except StopAsyncIteration:
+            return None
+
+    async def rest(self) -> AsyncIterator[tuple[ChoiceResult, TextDelta, str | None]]:
+        async for event in self._iter:
+            yield event
+
+    def close(self) -> None:
+        """Abort whatever is still running (a client went away, or we are done)."""
+        for stream in self._streams:
+            stream.abort()
+        for task in self._pumps:
+            task.cancel()
+
+    def usage(self) -> dict[str, Any]:
+        prompt = len(self.prepared.prompt_tokens)
+        completion = sum(c.text.completion_tokens for c in self.choices)
+        cached = max((c.cached_tokens for c in self.choices), default=0)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+
+async def gather(generation: Generation, request: Request) -> None:
+    """Run a non-streaming generation to the end, aborting it if the client disconnects."""
+
+    async def consume() -> None:
+        async for _ in generation.events():
+            pass
+
+    consumer = asyncio.create_task(consume())
+    watcher = asyncio.create_task(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if consumer in done:
+            consumer.result()
+            return
+        generation.close()
+        consumer.cancel()
+        raise APIError("client disconnected", code="client_disconnected")
+    finally:
+        watcher.cancel()
+        if not consumer.done():
+            consumer.cancel()
+            generation.close()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

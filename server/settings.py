@@ -1,0 +1,55 @@
+"""Settings: environment variables with the prefix MLX_HEADROOM_, a .env file, CLI flags."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+GiB = 1 << 30
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MLX_HEADROOM_", env_file=".env", extra="ignore")
+
+    model: str = Field("default", description="mlx-lm model directory, hub id, or 'default'")
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    # engine
+    max_concurrency: int = Field(32, ge=1, description="sequences prefilling or decoding at once")
+    max_queue: int = Field(256, ge=0, description="requests waiting beyond max_concurrency")
+    prefill_step_size: int = Field(512, ge=16)
+    min_prefill_chunk: int = Field(32, ge=1)
+    default_max_tokens: int = Field(512, ge=1)
+    max_tokens_cap: int = Field(32768, ge=1)
+    shutdown_grace_s: float = Field(30.0, ge=0)
+
+    # memory guard
+    memory_guard: bool = True
+    memory_tier: Literal["safe", "balanced", "aggressive", "custom"] = "balanced"
+    memory_ceiling_bytes: int | None = Field(None, gt=0)
+    memory_probe: Literal["auto", "macos", "linux", "cuda", "allocator"] = "auto"
+    memory_wait_timeout_s: float = Field(30.0, ge=0)
+    prefix_cache_bytes: int = Field(2 * GiB, ge=0)
+    prefix_cache_entries: int = Field(16, ge=0)
+
+    # service
+    api_key: str | None = None
+    admin_key: str | None = None
+    allow_unauthenticated: bool = False
+    cors_origins: list[str] = Field(default_factory=list)
+    max_body_bytes: int = Field(4 << 20, ge=1024)
+    max_messages: int = Field(1024, ge=1)
+    max_prompt_chars: int = Field(1 << 21, ge=1)
+    request_timeout_s: float = Field(600.0, gt=0)
+    log_prompts: bool = False
+    log_level: str = "info"
+
+    @property
+    def public_model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return "mlx-headroom/tiny-chat" if self.model == "default" else self.model

@@ -1,0 +1,67 @@
+"""What the routes share: settings, the engine client, the memory guard, the tokenizer."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from memory import MemoryGuard
+
+from engine import EngineClient
+from server.errors import BadRequest, ServiceUnavailable
+from server.settings import Settings
+
+
+@dataclass
+class ServerState:
+    settings: Settings
+    engine: EngineClient
+    guard: MemoryGuard
+    started_at: int = field(default_factory=lambda: int(time.time()))
+    shutting_down: bool = False
+
+    @property
+    def ready(self) -> bool:
+        return self.engine.loaded is not None and self.engine.alive
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.public_model_name
+
+    @property
+    def model_names(self) -> set[str]:
+        return {self.model_name, self.settings.model}
+
+    @property
+    def tokenizer(self) -> Any:
+        if not self.ready or self.engine.loaded is None:
+            raise ServiceUnavailable("the model is not loaded", code="engine_unavailable")
+        return self.engine.loaded.tokenizer
+
+    @property
+    def context_length(self) -> int:
+        return self.engine.loaded.context_length if self.engine.loaded else 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.loaded.geometry.vocab_size if self.engine.loaded else 0
+
+    def check_prompt_size(self, messages: int, chars: int) -> None:
+        if messages > self.settings.max_messages:
+            raise BadRequest(
+                f"{messages} messages, above this server's limit of {self.settings.max_messages}",
+                code="too_many_messages", param="messages",
+            )
+        if chars > self.settings.max_prompt_chars:
+            raise BadRequest(
+                f"the prompt has {chars} characters, above this server's limit of "
+                f"{self.settings.max_prompt_chars}",
+                code="prompt_too_long", param="messages",
+            )
+
+
+def get_state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.server
+    return state
