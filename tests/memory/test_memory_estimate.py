@@ -1,0 +1,173 @@
+from __future__ import annotations
+
+import pytest
+from memtest_helpers import KiB, MiB
+
+from memory import (
+    KV_STEP,
+    ModelGeometry,
+    estimate_decode_reservation,
+    estimate_prefill,
+    fused_attention_available,
+    geometry_from_config,
+    geometry_from_model,
+    kv_cache_bytes,
+)
+
+LLAMA3_8B = {
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_geometry_from_config_defaults() -> None:
+    g = geometry_from_config(LLAMA3_8B)
+    assert (g.num_layers, g.num_kv_heads, g.head_dim, g.dtype_bytes) == (32, 8, 128, 2)
+    assert g.kv_bytes_per_token == 128 * KiB  # MLX-NOTES: 8B Llama-3 bf16 = 128 KiB/token
+    mha = geometry_from_config({**LLAMA3_8B, "num_key_value_heads": None, "torch_dtype": "float32"})
+    assert (mha.num_kv_heads, mha.dtype_bytes) == (32, 4)
+    assert geometry_from_config({**LLAMA3_8B, "head_dim": 64}, dtype_bytes=4).head_dim == 64
+    nested = geometry_from_config({"text_config": LLAMA3_8B, "model_type": "vlm"})
+    assert nested == g
+    with pytest.raises(ValueError, match="vocab_size"):
+        geometry_from_config({k: v for k, v in LLAMA3_8B.items() if k != "vocab_size"})
+
+
+def test_quantized_kv_is_smaller() -> None:
+    g = geometry_from_config(LLAMA3_8B)
+    q8 = ModelGeometry(**{**g.__dict__, "kv_bits": 8})
+    q4 = ModelGeometry(**{**g.__dict__, "kv_bits": 4})
+    # 8-bit: half of bf16 plus a scale and bias (bf16) per 64 elements.
+    assert q8.kv_bytes_per_token == 64 * KiB + 2 * 32 * 8 * 2 * 2 * 2
+    assert q4.kv_bytes_per_token < q8.kv_bytes_per_token < g.kv_bytes_per_token
+    assert not fused_attention_available(q8, "metal")
+
+
+@pytest.mark.parametrize(
+    ("tokens", "batch", "slots"),
+    [(0, 1, 0), (1, 1, 256), (256, 1, 256), (257, 1, 512), (300, 2, 1024)],
+)
+def test_kv_cache_bytes_rounds_to_steps(tokens: int, batch: int, slots: int) -> None:
+    g = geometry_from_config(LLAMA3_8B)
+    assert KV_STEP == 256
+    assert kv_cache_bytes(g, tokens, batch) == slots * 128 * KiB
+
+
+def test_decode_reservation() -> None:
+    g = geometry_from_config(LLAMA3_8B)
+    assert estimate_decode_reservation(g, prompt_tokens=1000, max_tokens=100) == 1280 * 128 * KiB
+    assert estimate_decode_reservation(g, prompt_tokens=30_000, max_tokens=2768, batch=1) == (
+        32 * 1024 * 128 * KiB  # 32k tokens = 4 GiB
+    )
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "dtype_bytes", "backend", "fused"),
+    [
+        (128, 2, "metal", True),
+        (80, 4, "metal", True),
+        (112, 2, "metal", False),
+        (128, 2, "cuda", True),
+        (120, 2, "cuda", True),
+        (256, 2, "cuda", False),
+        (128, 4, "cuda", False),  # cuDNN path is fp16/bf16 only
+        (128, 2, "cpu", False),  # the CPU always materialises scores
+    ],
+)
+def test_fused_attention_table(head_dim: int, dtype_bytes: int, backend: str, fused: bool) -> None:
+    g = ModelGeometry(2, 8, 8, head_dim, 8 * head_dim, 4 * head_dim, 1000, dtype_bytes)
+    assert fused_attention_available(g, backend) is fused
+
+
+def test_prefill_estimate_shape() -> None:
+    g = geometry_from_config(LLAMA3_8B)
+    cpu = estimate_prefill(g, chunk_tokens=2048, context_tokens=2048, backend="cpu")
+    metal = estimate_prefill(g, chunk_tokens=2048, context_tokens=2048, backend="metal")
+    scores = 32 * 2048 * 4096 * 4
+    assert cpu.attention_bytes >= 2 * scores  # scores + softmax materialised
+    assert metal.attention_bytes < scores / 10
+    assert cpu.logits_bytes == 128256 * 4  # last token only
+    assert cpu.total_bytes == (
+        cpu.kv_growth_bytes + cpu.attention_bytes + cpu.activation_bytes + cpu.logits_bytes
+    )
+    # A 2048-token chunk grows every layer by 8 steps: at least 256 MiB of KV.
+    assert cpu.kv_growth_bytes >= 2048 * 128 * KiB
+    longer = estimate_prefill(g, chunk_tokens=2048, context_tokens=8192, backend="cpu")
+    assert longer.total_bytes > cpu.total_bytes
+    assert estimate_prefill(g, chunk_tokens=4096, context_tokens=0, batch=2).total_bytes > (
+        estimate_prefill(g, chunk_tokens=4096, context_tokens=0).total_bytes
+    )
+    with pytest.raises(ValueError):
+        estimate_prefill(g, chunk_tokens=0, context_tokens=0)
+    with pytest.raises(ValueError):
+        estimate_prefill(g, chunk_tokens=1, context_tokens=0, backend="tpu")
+    assert metal.total_bytes < 1024 * MiB * 2
+
+
+# ---- against MLX on this machine ---------------------------------------------------------
+
+# Upper-bound looseness allowed. bench/estimate_vs_measured.py measured ratios of 1.07–1.69
+# (float32) and up to 1.93 (bf16/fp16) on the Linux CPU backend; 2.5 leaves room for noise.
+MAX_RATIO = 2.5
+
+SMALL_MODELS = {
+    "gqa-hd32": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=688,
+        vocab_size=1000,
+    ),
+    "mha-hd64": dict(
+        hidden_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        intermediate_size=1376,
+        vocab_size=2000,
+    ),
+}
+CHUNKS = [(64, 0), (256, 0), (128, 256)]
+
+
+@pytest.mark.parametrize("name", sorted(SMALL_MODELS))
+def test_estimate_bounds_measured_mlx_peak(name: str) -> None:
+    mx = pytest.importorskip("mlx.core")
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = llama.Model(
+        llama.ModelArgs(model_type="llama", rms_norm_eps=1e-5, **SMALL_MODELS[name])
+    )
+    mx.eval(model.parameters())
+    geometry = geometry_from_model(model)
+    assert (
+        geometry.dtype_bytes == 4 and geometry.num_layers == SMALL_MODELS[name]["num_hidden_layers"]
+    )
+    for chunk, context in CHUNKS:
+        cache = make_prompt_cache(model)
+        tokens = mx.random.randint(0, geometry.vocab_size, (1, context + chunk))
+        mx.eval(tokens)
+        if context:
+            model(tokens[:, :context], cache=cache)
+            mx.eval([c.state for c in cache])
+        mx.clear_cache()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        model(tokens[:, context:], cache=cache)
+        mx.eval([c.state for c in cache])
+        measured = mx.get_peak_memory() - before
+        estimate = estimate_prefill(
+            geometry, chunk_tokens=chunk, context_tokens=context
+        ).total_bytes
+        assert measured > 0
+        assert estimate >= measured, (name, chunk, context, estimate, measured)
+        assert estimate <= MAX_RATIO * measured, (name, chunk, context, estimate, measured)
+        del cache
+        mx.clear_cache()
