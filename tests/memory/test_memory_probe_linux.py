@@ -170,3 +170,13 @@ def test_real_linux_probe_is_cheap() -> None:
     per_read = (time.perf_counter() - start) / n
     assert snap.total_bytes > 0 and snap.footprint_bytes > 0
     assert per_read < 1e-3, f"{per_read * 1e6:.0f} µs per read"
+
+
+def test_parse_meminfo_selected_fields_matches_full_parse() -> None:
+    full = parse_meminfo(MEMINFO)
+    some = parse_meminfo(MEMINFO, ("MemTotal", "Active(file)", "Inactive(file)", "Missing"))
+    assert some == {k: full[k] for k in ("MemTotal", "Active(file)", "Inactive(file)")}
+    # "Active(file)" must not match inside "Inactive(file)", nor the first line be missed.
+    assert parse_meminfo("Inactive(file): 7 kB\nActive(file): 3 kB", ("Active(file)",)) == {
+        "Active(file)": 3 * KiB
+    }
