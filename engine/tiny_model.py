@@ -24,7 +24,8 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-BUILD_VERSION = 1
+BUILD_VERSION = 2
+_BIAS_CHANNEL = 5.0
 
 
 @dataclass(frozen=True)
@@ -145,8 +146,10 @@ def _weights(shape: TinyModelShape, vocab_size: int) -> dict[str, np.ndarray]:
     def dense(out_dim: int, in_dim: int) -> np.ndarray:
         return (rng.standard_normal((out_dim, in_dim)) / np.sqrt(in_dim)).astype(np.float32)
 
+    embed = rng.standard_normal((vocab_size, h)).astype(np.float32)
+    embed[:, 0] = _BIAS_CHANNEL  # a near-constant channel: lets the head give tokens a bias
     weights: dict[str, np.ndarray] = {
-        "model.embed_tokens.weight": rng.standard_normal((vocab_size, h)).astype(np.float32),
+        "model.embed_tokens.weight": embed,
         "model.norm.weight": np.ones(h, np.float32),
     }
     for i in range(shape.num_hidden_layers):
@@ -162,18 +165,17 @@ def _weights(shape: TinyModelShape, vocab_size: int) -> dict[str, np.ndarray]:
             p + "input_layernorm.weight": np.ones(h, np.float32),
             p + "post_attention_layernorm.weight": np.ones(h, np.float32),
         }
-    # Favour printable ASCII in the output so that what the model says is readable, and
-    # never produce the special tokens by chance (generation then ends on max_tokens or a
-    # stop string, which keeps tests about lengths deterministic).
+    # Favour printable ASCII so that what the model says is readable, and never produce
+    # the special tokens by chance: their rows read only the constant channel, with a large
+    # negative weight. Generation then ends on max_tokens or a stop string, which keeps
+    # lengths deterministic at any temperature.
     head = dense(vocab_size, h) * 4.0
-    readable = np.zeros(vocab_size, bool)
-    vocab = _byte_vocab()
-    for ch, idx in vocab.items():
-        byte = idx
-        readable[idx] = 32 <= byte < 127
-        del ch
+    head[:, 0] = 0.0
+    token_ids = np.arange(vocab_size)
+    readable = (token_ids >= 32) & (token_ids < 127)
     head[~readable] *= 0.05
     head[256:] = 0.0
+    head[256:, 0] = -40.0
     weights["lm_head.weight"] = head
     return weights
 

@@ -5,11 +5,24 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import uvicorn
 
 from server.settings import Settings
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, so the process would
+    die of the signal; a service that drained cleanly should exit 0 instead."""
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -65,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 5,
         access_log=False,
     )
-    uvicorn.Server(config).run()
+    _Server(config).run()
     return 0
 
 
