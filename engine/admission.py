@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from engine.sequence import Sequence
 from memory import (
     AdmissionQuery,
     Decision,
@@ -24,8 +25,6 @@ from memory import (
     estimate_prefill,
     kv_cache_bytes,
 )
-
-from engine.sequence import Sequence
 
 
 @dataclass(frozen=True)

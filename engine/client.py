@@ -12,12 +12,11 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from memory import MemoryGuard
-
 from engine.core import EngineConfig, EngineCore, EngineStats
 from engine.errors import EngineDeadError, QueueFullError
 from engine.loader import LoadedModel
 from engine.request import EngineRequest, RequestOutput
+from memory import MemoryGuard
 
 log = logging.getLogger("mlx_headroom.engine")
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from memory import Decision, MemoryGuard, Outcome
 
 from engine.admission import Admission
 from engine.decode_batch import DecodeBatch
@@ -23,7 +22,8 @@ from engine.errors import InsufficientMemoryError
 from engine.loader import LoadedModel
 from engine.prefix_cache import PrefixCache, PrefixCacheStats
 from engine.request import EngineRequest, RequestOutput
-from engine.sequence import Sequence, RequestStatus
+from engine.sequence import RequestStatus, Sequence
+from memory import Decision, MemoryGuard, Outcome
 
 log = logging.getLogger("mlx_headroom.engine")
 
@@ -339,7 +339,9 @@ class EngineCore:
         seq.prefix_key = None
         reason = "abort" if status is RequestStatus.FINISHED_ABORTED else "rejected"
         self._outputs.append(
-            RequestOutput(seq.request_id, (), finish_reason=reason, cached_tokens=seq.cached_tokens, error=error)
+            RequestOutput(
+                seq.request_id, (), finish_reason=reason, cached_tokens=seq.cached_tokens, error=error
+            )
         )
 
     def _abort_all(self, why: str) -> None:

@@ -52,7 +52,7 @@ class DecodeBatch:
         if self.cache is None or self.pending is None:
             self.cache, self.pending = merged, first
         else:
-            for mine, theirs in zip(self.cache, merged):
+            for mine, theirs in zip(self.cache, merged, strict=True):
                 mine.extend(theirs)
             self.pending = _concat_steps(self.pending, first)
         mx.async_eval(*self.pending.arrays(), *[c.state for c in self.cache])
@@ -72,7 +72,7 @@ class DecodeBatch:
         logprobs = _read_logprobs(current, self.seqs)
         return [
             StepToken(seq, tok, logprobs[i] if logprobs else None)
-            for i, (seq, tok) in enumerate(zip(self.seqs, tokens))
+            for i, (seq, tok) in enumerate(zip(self.seqs, tokens, strict=True))
         ]
 
     def remove(self, leaving: Seq[Sequence]) -> None:
@@ -142,6 +142,6 @@ def _read_logprobs(step: SampledStep, seqs: list[Sequence]) -> list[TokenLogprob
             continue
         top: tuple[tuple[int, float], ...] = ()
         if top_ids is not None and top_lp is not None and sp.top_logprobs > 0:
-            top = tuple(zip(top_ids[i][: sp.top_logprobs], top_lp[i][: sp.top_logprobs]))
+            top = tuple(zip(top_ids[i][: sp.top_logprobs], top_lp[i][: sp.top_logprobs], strict=True))
         out.append(TokenLogprob(tokens[i], chosen[i], top))
     return out

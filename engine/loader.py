@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from memory import ModelGeometry, geometry_from_model
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from engine.tiny_model import ensure_default_model
+from memory import ModelGeometry, geometry_from_model
 
 log = logging.getLogger("mlx_headroom.engine")
 

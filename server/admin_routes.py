@@ -9,9 +9,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from memory import Tier
 
 from engine import backend_name
+from memory import Tier
 from server.errors import BadRequest
 from server.schemas import MemoryGuardUpdate
 from server.state import get_state

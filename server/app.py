@@ -9,9 +9,9 @@ from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
-from memory import MemoryGuard, Probe, Tier, detect_probe
 
 from engine import EngineClient, EngineConfig, LoadedModel, load_model
+from memory import MemoryGuard, Probe, Tier, detect_probe
 from server.admin_routes import router as admin_router
 from server.errors import install_error_handlers
 from server.openai_routes import router as openai_router

@@ -29,7 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlx-headroom", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    serve.add_argument("--model", help="mlx-lm model directory or hub id ('default': the embedded tiny model)")
+    serve.add_argument(
+        "--model", help="mlx-lm model directory or hub id ('default': the embedded tiny model)"
+    )
     serve.add_argument("--served-model-name")
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int)

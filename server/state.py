@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from memory import MemoryGuard
 
 from engine import EngineClient
+from memory import MemoryGuard
 from server.errors import BadRequest, ServiceUnavailable
 from server.settings import Settings
 
