@@ -6,6 +6,8 @@ simulates a smaller machine on a big one.
 
 from __future__ import annotations
 
+import importlib
+import os
 import time
 from collections.abc import Callable
 
@@ -14,9 +16,12 @@ from .base import mlx_allocator_bytes
 
 
 def _physical_total() -> int:
-    import psutil
-
-    return int(psutil.virtual_memory().total)
+    """Physical RAM: POSIX sysconf where available (Linux, macOS), else psutil."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        psutil = importlib.import_module("psutil")  # untyped; imported only if needed
+        return int(psutil.virtual_memory().total)
 
 
 class AllocatorProbe:

@@ -73,10 +73,7 @@ def test_ceiling_table(
 def test_components_and_describe() -> None:
     c = compute_ceiling(snap(free_bytes=2 * GiB, device_cap_bytes=48 * GiB), Tier.BALANCED)
     assert dict(c.components) == {"static": 58 * GiB, "dynamic": 20 * GiB, "device": 48 * GiB}
-    assert (
-        c.describe()
-        == "dynamic ceiling 20.0 GiB (static 58.0 GiB, dynamic 20.0 GiB, device 48.0 GiB)"
-    )
+    assert c.describe() == "dynamic ceiling 20.0 GiB (static 58.0 GiB, dynamic 20.0 GiB, device 48.0 GiB)"
     custom = compute_ceiling(snap(), Tier.CUSTOM, custom_bytes=12 * GiB)
     assert set(custom.components) == {"custom"}
 
@@ -103,9 +100,7 @@ def test_non_positive_components_are_dropped() -> None:
     assert (c.binding, c.hard_bytes) == ("dynamic", 2 * GiB)
     # Nothing positive at all: admit nothing.
     z = compute_ceiling(
-        snap(
-            total_bytes=1 * GiB, footprint_bytes=0, free_bytes=0, inactive_bytes=0, active_bytes=0
-        ),
+        snap(total_bytes=1 * GiB, footprint_bytes=0, free_bytes=0, inactive_bytes=0, active_bytes=0),
         Tier.SAFE,
     )
     assert z.hard_bytes == 0
@@ -119,8 +114,5 @@ def test_config_overrides() -> None:
         reclaim_ratio={Tier.SAFE: 0.0, Tier.BALANCED: 0.0, Tier.AGGRESSIVE: 1.0},
     )
     assert compute_ceiling(snap(), Tier.SAFE, cfg).hard_bytes == 44 * GiB  # dynamic, ratio 0
-    assert (
-        compute_ceiling(snap(total_bytes=6 * GiB), Tier.BALANCED, cfg).components["static"]
-        == 4 * GiB
-    )
+    assert compute_ceiling(snap(total_bytes=6 * GiB), Tier.BALANCED, cfg).components["static"] == 4 * GiB
     assert CeilingConfig().reserve_bytes[Tier.BALANCED] == 6 * GiB

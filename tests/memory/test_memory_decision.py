@@ -39,18 +39,14 @@ TABLE = [
     ),
     (
         "wait for in-flight",
-        AdmissionQuery(
-            predicted_bytes=4 * GiB, evictable_bytes=512 * MiB, releasable_bytes=3 * GiB
-        ),
+        AdmissionQuery(predicted_bytes=4 * GiB, evictable_bytes=512 * MiB, releasable_bytes=3 * GiB),
         Outcome.WAIT,
         0,
         "waiting_for_memory",
     ),
     (
         "reject",
-        AdmissionQuery(
-            predicted_bytes=4 * GiB, evictable_bytes=512 * MiB, releasable_bytes=1 * GiB
-        ),
+        AdmissionQuery(predicted_bytes=4 * GiB, evictable_bytes=512 * MiB, releasable_bytes=1 * GiB),
         Outcome.REJECT,
         0,
         "prefill_memory_exceeded",

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from memtest_helpers import KiB, MiB
 
@@ -115,7 +117,7 @@ def test_prefill_estimate_shape() -> None:
 # (float32) and up to 1.93 (bf16/fp16) on the Linux CPU backend; 2.5 leaves room for noise.
 MAX_RATIO = 2.5
 
-SMALL_MODELS = {
+SMALL_MODELS: dict[str, dict[str, Any]] = {
     "gqa-hd32": dict(
         hidden_size=256,
         num_hidden_layers=4,
@@ -142,14 +144,10 @@ def test_estimate_bounds_measured_mlx_peak(name: str) -> None:
     from mlx_lm.models import llama
     from mlx_lm.models.cache import make_prompt_cache
 
-    model = llama.Model(
-        llama.ModelArgs(model_type="llama", rms_norm_eps=1e-5, **SMALL_MODELS[name])
-    )
+    model = llama.Model(llama.ModelArgs(model_type="llama", rms_norm_eps=1e-5, **SMALL_MODELS[name]))
     mx.eval(model.parameters())
     geometry = geometry_from_model(model)
-    assert (
-        geometry.dtype_bytes == 4 and geometry.num_layers == SMALL_MODELS[name]["num_hidden_layers"]
-    )
+    assert geometry.dtype_bytes == 4 and geometry.num_layers == SMALL_MODELS[name]["num_hidden_layers"]
     for chunk, context in CHUNKS:
         cache = make_prompt_cache(model)
         tokens = mx.random.randint(0, geometry.vocab_size, (1, context + chunk))
@@ -163,9 +161,7 @@ def test_estimate_bounds_measured_mlx_peak(name: str) -> None:
         model(tokens[:, context:], cache=cache)
         mx.eval([c.state for c in cache])
         measured = mx.get_peak_memory() - before
-        estimate = estimate_prefill(
-            geometry, chunk_tokens=chunk, context_tokens=context
-        ).total_bytes
+        estimate = estimate_prefill(geometry, chunk_tokens=chunk, context_tokens=context).total_bytes
         assert measured > 0
         assert estimate >= measured, (name, chunk, context, estimate, measured)
         assert estimate <= MAX_RATIO * measured, (name, chunk, context, estimate, measured)

@@ -18,7 +18,5 @@ print(",".join(bad))
 
 
 def test_import_memory_loads_no_mlx_fastapi_engine_or_server() -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, check=True
-    )
+    out = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", f"imported: {out.stdout.strip()}"

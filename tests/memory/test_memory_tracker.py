@@ -60,9 +60,7 @@ def test_ignores_empty_chunks_and_reset() -> None:
     assert (t.observations, t.outliers, t.ewma_bytes_per_token) == (0, 0, None)
 
 
-@pytest.mark.parametrize(
-    "kwargs", [{"alpha": 0.0}, {"alpha": 1.5}, {"margin": 0.9}, {"outlier_factor": 1.0}]
-)
+@pytest.mark.parametrize("kwargs", [{"alpha": 0.0}, {"alpha": 1.5}, {"margin": 0.9}, {"outlier_factor": 1.0}])
 def test_rejects_bad_parameters(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         TransientTracker(**kwargs)
