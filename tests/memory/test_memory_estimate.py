@@ -167,3 +167,23 @@ def test_estimate_bounds_measured_mlx_peak(name: str) -> None:
         assert estimate <= MAX_RATIO * measured, (name, chunk, context, estimate, measured)
         del cache
         mx.clear_cache()
+
+
+def test_geometry_from_model_reads_args_and_parameter_dtype() -> None:
+    mx = pytest.importorskip("mlx.core")
+    import mlx.nn as nn
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", rms_norm_eps=1e-5, **SMALL_MODELS["gqa-hd32"])
+    model = llama.Model(args)
+    g = geometry_from_model(model)
+    assert (g.num_layers, g.num_heads, g.num_kv_heads, g.head_dim) == (4, 8, 2, 32)
+    assert (g.hidden_size, g.intermediate_size, g.vocab_size, g.dtype_bytes) == (256, 688, 1000, 4)
+    model.set_dtype(mx.bfloat16)
+    assert geometry_from_model(model).dtype_bytes == 2
+    config = {**SMALL_MODELS["gqa-hd32"], "intermediate_size": 512}  # divisible by 64
+    quantized = llama.Model(llama.ModelArgs(model_type="llama", rms_norm_eps=1e-5, **config))
+    quantized.set_dtype(mx.bfloat16)
+    nn.quantize(quantized, group_size=64, bits=4)  # uint32 weights are skipped; scales are bf16
+    assert geometry_from_model(quantized).dtype_bytes == 2
+    assert geometry_from_model(model, dtype_bytes=4).dtype_bytes == 4
