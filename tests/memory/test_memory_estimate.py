@@ -171,7 +171,7 @@ def test_estimate_bounds_measured_mlx_peak(name: str) -> None:
 
 def test_geometry_from_model_reads_args_and_parameter_dtype() -> None:
     mx = pytest.importorskip("mlx.core")
-    import mlx.nn as nn
+    from mlx.nn.layers.quantized import quantize
     from mlx_lm.models import llama
 
     args = llama.ModelArgs(model_type="llama", rms_norm_eps=1e-5, **SMALL_MODELS["gqa-hd32"])
@@ -184,6 +184,6 @@ def test_geometry_from_model_reads_args_and_parameter_dtype() -> None:
     config = {**SMALL_MODELS["gqa-hd32"], "intermediate_size": 512}  # divisible by 64
     quantized = llama.Model(llama.ModelArgs(model_type="llama", rms_norm_eps=1e-5, **config))
     quantized.set_dtype(mx.bfloat16)
-    nn.quantize(quantized, group_size=64, bits=4)  # uint32 weights are skipped; scales are bf16
+    quantize(quantized, group_size=64, bits=4)  # uint32 weights are skipped; scales are bf16
     assert geometry_from_model(quantized).dtype_bytes == 2
     assert geometry_from_model(model, dtype_bytes=4).dtype_bytes == 4
