@@ -55,8 +55,8 @@ async function api(url, { method = "GET", body, admin = false } = {}) {
 }
 
 function authMessage(err) {
-  if (err.status === 401) return "Unauthorized (401): enter a valid API key above. " + err.message;
-  if (err.status === 403) return "Forbidden (403): this needs the admin key. " + err.message;
+  if (err.status === 401) return `Unauthorized (401): enter a valid API key above. ${err.message}`;
+  if (err.status === 403) return `Forbidden (403): this needs the admin key. ${err.message}`;
   return null;
 }
 
@@ -146,7 +146,7 @@ function renderDecisions(list) {
       return td;
     };
     cell(fmtTime(d.at), "num");
-    cell(d.request_id || "—");
+    cell(d.request_id || "—", "mono");
     const badge = document.createElement("span");
     badge.className = "badge " + d.outcome;
     badge.textContent = d.outcome;
@@ -154,7 +154,7 @@ function renderDecisions(list) {
     cell(fmtBytes(d.needed_bytes), "num");
     cell(fmtBytes(d.limit_bytes), "num");
     cell(d.binding || "—");
-    cell(d.reason || "", "reason");
+    cell((d.reason || "").replace(/^[A-Z]+:\s*/, ""), "reason");   // the badge already says it
     return tr;
   });
   body.replaceChildren(...rows);
@@ -266,7 +266,7 @@ async function loadHeader() {
   try {
     const v = await api(API.version);
     $("version").textContent = `v${v.version} · mlx ${v.mlx} · mlx-lm ${v.mlx_lm} · ${v.backend}`;
-  } catch (e) { $("version").textContent = "version unavailable"; }
+  } catch (e) { $("version").textContent = "version unavailable" + (e.status ? ` (${e.status})` : ""); }
   let status = "unreachable";
   try {
     const res = await fetch(API.health, { cache: "no-store" });
@@ -285,7 +285,7 @@ async function poll() {
     showAlert(null);
   } catch (e) {
     delay = SLOW_MS;
-    showAlert(authMessage(e) || `Cannot read ${API.memory}: ${e.message}. Retrying every 5 s.`);
+    showAlert((authMessage(e) || `Cannot read ${API.memory}: ${e.message}.`) + " Retrying every 5 s.");
   }
   pollCount++;
   if (pollCount % 5 === 0) loadHeader();
