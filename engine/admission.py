@@ -69,10 +69,15 @@ class Admission:
         allocated_kv: int,
         evictable: int,
     ) -> Decision:
-        """Can the request's whole reservation, and its first chunk, ever be had?"""
+        """Can the request's whole reservation, and its smallest first chunk, be had?
+
+        The chunk is sized at the floor: a larger one is shrunk later rather than refused.
+        """
         before = self.reservation_bytes(admitted)
         growth = self.reservation_bytes([*admitted, seq]) - before
-        first = self._chunk_prediction(seq, min(seq.chunk_tokens, max(seq.remaining_prefill, 1)))
+        first = self._chunk_prediction(
+            seq, max(min(self.min_chunk_tokens, seq.remaining_prefill), 1)
+        )
         return self.guard.check(
             AdmissionQuery(
                 predicted_bytes=growth + first,
@@ -80,7 +85,8 @@ class Admission:
                 evictable_bytes=evictable,
                 releasable_bytes=max(before, allocated_kv),
                 request_id=seq.request_id,
-            )
+            ),
+            record=False,
         )
 
     def plan_chunk(
@@ -103,7 +109,8 @@ class Admission:
                     evictable_bytes=evictable,
                     releasable_bytes=releasable,
                     request_id=seq.request_id,
-                )
+                ),
+                record=False,
             )
             if decision.outcome in (Outcome.ADMIT, Outcome.EVICT):
                 return ChunkPlan(tokens, predicted, decision)

@@ -6,6 +6,7 @@ run at most one prefill chunk, run one decode step for the batch, publish what c
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import time
@@ -105,6 +106,7 @@ class EngineCore:
         )
         self._stop = False
         self._outputs: list[RequestOutput] = []
+        self.oom_recoveries = 0
 
     # ---- called from other threads ------------------------------------------------
     def submit(self, request: EngineRequest) -> None:
@@ -132,8 +134,14 @@ class EngineCore:
 
     def step(self) -> None:
         self._schedule_waiting()
-        self._prefill_one_chunk()
-        self._decode()
+        try:
+            self._prefill_one_chunk()
+        except RuntimeError as exc:
+            self._recover_from_device_oom(exc, self.prefilling[:1])
+        try:
+            self._decode()
+        except RuntimeError as exc:
+            self._recover_from_device_oom(exc, list(self.batch.seqs))
         self._counters["steps"] += 1
         self._publish_stats()
         if self._outputs:
@@ -204,7 +212,12 @@ class EngineCore:
         seq.prefix_key = hit.key
 
     def _act_on(self, seq: Sequence, decision: Decision, now: float) -> bool:
-        """Evict, wait or refuse as the decision says; True when the work may go ahead."""
+        """Evict, wait or refuse as the decision says; True when the work may go ahead.
+
+        A request re-checked while it waits is recorded once, when it starts waiting.
+        """
+        if decision.outcome is not Outcome.WAIT or seq.wait_since is None:
+            self.guard.record(decision)
         if decision.outcome is Outcome.ADMIT:
             return True
         if decision.outcome is Outcome.EVICT:
@@ -230,6 +243,9 @@ class EngineCore:
                 "Retry when fewer requests are running."
             )
             code = "memory_wait_timeout"
+            self.guard.record(
+                dataclasses.replace(decision, outcome=Outcome.REJECT, code=code, reason=message)
+            )
         else:
             message = decision.reason
             code = decision.code or "prefill_memory_exceeded"
@@ -319,6 +335,31 @@ class EngineCore:
                     )
                 )
         self.batch.remove(finished)
+
+    def _recover_from_device_oom(self, exc: RuntimeError, victims: list[Sequence]) -> None:
+        """The last line of defence, for backends where an allocation failure is catchable
+        (CUDA). Admission should have prevented it; free the work involved, refuse it with
+        507, and keep serving. A decode failure leaves the batch's arrays unusable, so every
+        row in it goes."""
+        if "out of memory" not in str(exc).lower():
+            raise exc
+        log.error("device out of memory; refusing %d request(s)", len(victims))
+        self.oom_recoveries += 1
+        error = InsufficientMemoryError(
+            "The device ran out of memory during this request although admission allowed "
+            "it; it was stopped to keep the server up. Retry, or lower the memory tier.",
+            code="device_out_of_memory",
+            estimated_bytes=0,
+            limit_bytes=0,
+            binding="device",
+            retryable=True,
+        )
+        if victims and victims == self.batch.seqs:
+            self.batch.remove(list(victims))  # drops the arrays without touching them
+        for seq in victims:
+            self._finish(seq, RequestStatus.FINISHED_REJECTED, error=error)
+        self.prefix_cache.clear()
+        mx.clear_cache()
 
     # ---- endings ---------------------------------------------------------------------
     def _abort(self, request_id: str) -> None:

@@ -104,8 +104,13 @@ class MemoryGuard:
         snap = snapshot if snapshot is not None else self._probe.read()
         return compute_ceiling(snap, state.tier, self._config, state.ceiling_bytes)
 
-    def check(self, query: AdmissionQuery) -> Decision:
-        """Snapshot, ceiling, decide, record. Disabled → ADMIT (numbers still filled in)."""
+    def check(self, query: AdmissionQuery, *, record: bool = True) -> Decision:
+        """Snapshot, ceiling, decide, record. Disabled → ADMIT (numbers still filled in).
+
+        ``record=False`` leaves the history and counts alone: for the engine's repeated
+        questions (a request re-checked every step while it waits, a chunk tried at
+        smaller sizes), which it records once with :meth:`record`.
+        """
         state = self.state()
         snap = self._probe.read()
         ceiling = compute_ceiling(snap, state.tier, self._config, state.ceiling_bytes)
@@ -124,10 +129,14 @@ class MemoryGuard:
                 request_id=query.request_id,
                 at=time.time(),
             )
+        if record:
+            self.record(decision)
+        return decision
+
+    def record(self, decision: Decision) -> None:
         with self._lock:
             self._history.append(decision)
             self._counts[decision.outcome] += 1
-        return decision
 
     def recent_decisions(self) -> list[Decision]:
         """Oldest first, at most ``history`` of them."""

@@ -118,7 +118,10 @@ async def memory_view(request: Request) -> dict[str, Any]:
                 "request_id": d.request_id,
                 "outcome": d.outcome.value,
                 "reason": d.reason,
+                "code": d.code or None,
                 "needed_bytes": d.needed_bytes,
+                "predicted_bytes": d.predicted_bytes,
+                "bytes_to_free": d.bytes_to_free,
                 "limit_bytes": d.limit_bytes,
                 "binding": d.binding,
             }
