@@ -296,8 +296,8 @@ class EngineCore:
         prompt = seq.request.prompt_tokens
         if seq.processed > seq.cached_tokens and seq.processed > 0:
             self.prefix_cache.insert(prompt[: seq.processed], seq.caches)
-        self.prefilling.remove(seq)
         self.batch.join(seq, seq.caches, prompt[-1])
+        self.prefilling.remove(seq)
         seq.caches = None
         seq.prefix_key = None
         seq.status = RequestStatus.RUNNING

@@ -1,0 +1,116 @@
+"""The last line of defence: a catchable device out-of-memory (CUDA) becomes a 507.
+
+Admission should prevent it; when it happens anyway, the server frees the request's
+memory, refuses it, and keeps serving. The CPU backend never raises one, so the model
+is wrapped to raise CUDA's error exactly where the test says.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from engine import LoadedModel, load_model
+from server.app import create_app
+from server.settings import Settings
+
+MODEL = "mlx-headroom/tiny-chat"
+CUDA_OOM = "[cudaMallocAsync] cudaMallocAsync(&data, size, stream) failed: out of memory"
+
+
+class FlakyModel:
+    """Forwards to the real model; raises CUDA's OOM on the next prefill or decode call."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self.fail_prefill = 0
+        self.fail_decode = 0
+        self.crash = False
+
+    def __call__(self, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.crash:
+            raise RuntimeError("an engine bug, not a memory error")
+        if inputs.shape[1] > 1 and self.fail_prefill:
+            self.fail_prefill -= 1
+            raise RuntimeError(CUDA_OOM)
+        if inputs.shape[1] == 1 and self.fail_decode:
+            self.fail_decode -= 1
+            raise RuntimeError(CUDA_OOM)
+        return self._model(inputs, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+@pytest.fixture
+def flaky_server(tiny_model_path: Path) -> Iterator[tuple[str, FlakyModel]]:
+    holder: dict[str, FlakyModel] = {}
+
+    def load() -> LoadedModel:
+        loaded = load_model(str(tiny_model_path), model_id=MODEL)
+        holder["model"] = FlakyModel(loaded.model)
+        return LoadedModel(**{**loaded.__dict__, "model": holder["model"]})
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = create_app(Settings(model=str(tiny_model_path), served_model_name=MODEL), load=load)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling for readiness
+    assert server.started
+    yield f"http://127.0.0.1:{port}", holder["model"]
+    server.should_exit = True
+    thread.join(30)
+
+
+def chat(url: str, **extra: Any) -> httpx.Response:
+    return httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 8, **extra})
+
+
+def test_prefill_oom_is_507_and_the_server_keeps_serving(flaky_server):
+    url, model = flaky_server
+    model.fail_prefill = 1
+    r = chat(url)
+    assert r.status_code == 507, r.text
+    err = r.json()["error"]
+    assert err["code"] == "device_out_of_memory" and err["type"] == "insufficient_memory"
+    assert r.headers["x-should-retry"] == "true"
+    assert chat(url).status_code == 200
+    memory = httpx.get(f"{url}/v1/memory").json()
+    assert memory["kv_bytes"] == 0 and memory["committed_bytes"] == 0
+
+
+def test_decode_oom_refuses_the_batch_and_the_server_keeps_serving(flaky_server):
+    url, model = flaky_server
+    model.fail_decode = 1
+    r = chat(url)
+    assert r.status_code == 507, r.text
+    assert r.json()["error"]["code"] == "device_out_of_memory"
+    ok = chat(url)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_a_dead_engine_answers_503(flaky_server):
+    url, model = flaky_server
+    model.crash = True
+    r = chat(url)
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "engine_unavailable"
+    assert httpx.get(f"{url}/health").status_code == 503
+    again = chat(url)
+    assert again.status_code == 503 and again.json()["error"]["type"] == "service_unavailable"
