@@ -9,11 +9,17 @@ from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
+from starlette.middleware.cors import CORSMiddleware
 
 from engine import EngineClient, EngineConfig, LoadedModel, load_model
 from memory import MemoryGuard, Probe, Tier, detect_probe
+from server.access_log import AccessLogMiddleware
 from server.admin_routes import router as admin_router
+from server.auth import AuthMiddleware
 from server.errors import install_error_handlers
+from server.limits import BodyLimitMiddleware
+from server.metrics import Metrics
+from server.metrics import router as metrics_router
 from server.openai_routes import router as openai_router
 from server.settings import Settings
 from server.state import ServerState
@@ -74,6 +80,17 @@ def create_app(
     install_error_handlers(app)
     app.include_router(openai_router)
     app.include_router(admin_router)
+    app.include_router(metrics_router)
+    app.state.metrics = Metrics(state)
+    # Outermost last: the access log sees every answer, CORS answers preflights before
+    # auth, and auth refuses before a body is read.
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(AuthMiddleware, api_key=settings.api_key, admin_key=settings.admin_key)
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins,
+                           allow_methods=["*"], allow_headers=["*"], expose_headers=["x-request-id"])
+    app.add_middleware(AccessLogMiddleware, log_prompts=settings.log_prompts,
+                       observe=app.state.metrics.observe)
     if DASHBOARD_DIR.is_dir():
         app.mount("/dashboard", StaticFiles(directory=DASHBOARD_DIR, html=True), name="dashboard")
     return app

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -43,7 +42,15 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--memory-probe", choices=["auto", "macos", "linux", "cuda", "allocator"])
     serve.add_argument("--no-memory-guard", dest="memory_guard", action="store_false", default=None)
     serve.add_argument("--api-key")
-    serve.add_argument("--allow-unauthenticated", action="store_true", default=None)
+    serve.add_argument("--admin-key", help="key for admin routes (default: the API key)")
+    serve.add_argument("--allow-unauthenticated", action="store_true", default=None,
+                       help="serve a non-loopback address without any key")
+    serve.add_argument("--cors-origin", dest="cors_origins", action="append",
+                       help="allow this origin by CORS (repeatable; default: CORS off)")
+    serve.add_argument("--max-body-bytes", type=int)
+    serve.add_argument("--request-timeout-s", type=float)
+    serve.add_argument("--log-prompts", action="store_true", default=None,
+                       help="put prompt and completion text in the access log")
     serve.add_argument("--log-level")
     sub.add_parser("build-default-model", help="build the embedded default model and print its path")
     return parser
@@ -64,11 +71,14 @@ def main(argv: list[str] | None = None) -> int:
         print(ensure_default_model())
         return 0
     settings = settings_from_args(args)
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    from server.auth import startup_problem
+
+    if (problem := startup_problem(settings)) is not None:
+        print(f"mlx-headroom: {problem}", file=sys.stderr)
+        return 2
+    from server.access_log import configure_logging
+
+    configure_logging(settings.log_level)
     from server.app import create_app
 
     app = create_app(settings)
@@ -79,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         log_level=settings.log_level,
         timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 5,
         access_log=False,
+        log_config=None,
     )
     _Server(config).run()
     return 0

@@ -2,10 +2,12 @@
 
     APIError                  any error this server reports on purpose
     ├── BadRequest (400)      invalid JSON or fields; context_length_exceeded
-    ├── Unauthorized (401)
+    ├── Unauthorized (401)    a missing or wrong API key
+    ├── Forbidden (403)       the API key is not the admin key
     ├── NotFound (404)        unknown model or route
     ├── PayloadTooLarge (413)
     ├── TooManyRequests (429) waiting queue full; with Retry-After
+    ├── RequestTimeout (504)  the request ran past request_timeout_s; it was aborted
     ├── InsufficientStorage (507) the memory guard refused; with the guard's numbers
     └── ServiceUnavailable (503) the engine is not running
 
@@ -77,6 +79,11 @@ class Unauthorized(APIError):
     type = "authentication_error"
 
 
+class Forbidden(APIError):
+    status = 403
+    type = "permission_error"
+
+
 class NotFound(APIError):
     status = 404
     type = "invalid_request_error"
@@ -90,6 +97,11 @@ class PayloadTooLarge(APIError):
 class TooManyRequests(APIError):
     status = 429
     type = "rate_limit_error"
+
+
+class RequestTimeout(APIError):
+    status = 504
+    type = "timeout_error"
 
 
 class InsufficientStorage(APIError):
@@ -136,17 +148,21 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    def answer(request: Request, err: APIError) -> JSONResponse:
+        request.state.error = err  # for the access log
+        return err.response()
+
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return answer(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return BadRequest(message, code="invalid_request", param=param).response()
+        return answer(request, BadRequest(message, code="invalid_request", param=param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         cls = {404: NotFound, 401: Unauthorized, 413: PayloadTooLarge}.get(exc.status_code)
         if cls is None:
             err = APIError(str(exc.detail), code=f"http_{exc.status_code}")
@@ -154,8 +170,8 @@ def install_error_handlers(app: FastAPI) -> None:
             err.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
         else:
             err = cls(str(exc.detail), code=f"http_{exc.status_code}")
-        return err.response()
+        return answer(request, err)
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return from_engine_error(exc).response()
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return answer(request, from_engine_error(exc))

@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import Request
 
 from engine import EngineClient, EngineRequest, RequestOutput, RequestStream, SamplingParams
-from server.errors import APIError, BadRequest, from_engine_error
+from server.errors import APIError, BadRequest, RequestTimeout, from_engine_error
 from server.text_stream import ChoiceText, TextDelta
 
 _DONE = object()
@@ -83,12 +83,23 @@ def prepare(
 class Generation:
     """The engine requests behind one HTTP request, merged into one ordered feed."""
 
-    def __init__(self, engine: EngineClient, tokenizer: Any, prepared: Prepared) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        tokenizer: Any,
+        prepared: Prepared,
+        *,
+        timeout_s: float | None = None,
+    ) -> None:
         self.id = uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.prepared = prepared
+        self.tokenizer = tokenizer
         self.started = time.monotonic()
         self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self.error: APIError | None = None
+        self._deadline: asyncio.TimerHandle | None = None
         self.choices = [
             ChoiceResult(i, ChoiceText(tokenizer, prepared.stops)) for i in range(prepared.n)
         ]
@@ -116,6 +127,16 @@ class Generation:
                 self.close()
                 raise from_engine_error(exc) from exc
         self._pumps = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(self._streams)]
+        if timeout_s is not None:
+            self._deadline = asyncio.get_running_loop().call_later(timeout_s, self._expire, timeout_s)
+
+    def _expire(self, timeout_s: float) -> None:
+        """The deadline passed: the error goes first in the feed, then the engine lets go."""
+        self._feed.put_nowait((-1, RequestTimeout(
+            f"the request did not finish within this server's limit of {timeout_s:g} s",
+            code="request_timeout",
+        )))
+        self.close()
 
     async def _pump(self, index: int, stream: RequestStream) -> None:
         try:
@@ -138,7 +159,10 @@ class Generation:
                 continue
             index, output = item  # type: ignore[misc]
             if isinstance(output, BaseException):
-                raise from_engine_error(output) if isinstance(output, Exception) else output
+                if not isinstance(output, Exception):
+                    raise output
+                self.error = from_engine_error(output)
+                raise self.error
             choice = self.choices[index]
             if choice.finish_reason is not None:
                 continue
@@ -157,6 +181,7 @@ class Generation:
                 choice.cached_tokens = output.cached_tokens
             choice.logprobs.extend(delta.logprobs)
             yield choice, delta, finish
+        self.finished_at = time.monotonic()
 
     async def first_event(self) -> tuple[ChoiceResult, TextDelta, str | None] | None:
         """Wait for the first event; errors raise here, before any HTTP status is sent."""
@@ -172,6 +197,8 @@ class Generation:
 
     def close(self) -> None:
         """Abort whatever is still running (a client went away, or we are done)."""
+        if self._deadline is not None:
+            self._deadline.cancel()
         for stream in self._streams:
             stream.abort()
         for task in self._pumps:

@@ -103,7 +103,8 @@ def _start(state: ServerState, body: Any, tokens: list[int], logprobs: bool, top
         logprobs=logprobs,
         top_logprobs=top,
     )
-    return Generation(state.engine, state.tokenizer, prepared)
+    return Generation(state.engine, state.tokenizer, prepared,
+                      timeout_s=state.settings.request_timeout_s)
 
 
 @router.post("/v1/chat/completions", response_model=None)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Annotated, Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 GiB = 1 << 30
 
@@ -40,13 +41,25 @@ class Settings(BaseSettings):
     api_key: str | None = None
     admin_key: str | None = None
     allow_unauthenticated: bool = False
-    cors_origins: list[str] = Field(default_factory=list)
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="origins allowed by CORS (JSON list or comma-separated)"
+    )
     max_body_bytes: int = Field(4 << 20, ge=1024)
     max_messages: int = Field(1024, ge=1)
     max_prompt_chars: int = Field(1 << 21, ge=1)
     request_timeout_s: float = Field(600.0, gt=0)
     log_prompts: bool = False
     log_level: str = "info"
+
+    @field_validator("cors_origins", mode="before")
+    @classmethod
+    def _split_origins(cls, value: object) -> object:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [o.strip() for o in text.split(",") if o.strip()]
+        return value
 
     @property
     def public_model_name(self) -> str:

@@ -1,0 +1,134 @@
+"""`/metrics` in the Prometheus text format, from a registry of this app's own.
+
+Request counters and latency histograms are fed by the access log's record of each
+request; everything that is engine or guard state (queue depth, memory against the
+ceiling, admission decisions, the prefix cache) is read live at scrape time by a
+custom collector, so it can never drift from what `/v1/memory` shows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from server.state import ServerState
+
+router = APIRouter()
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+UNDOCUMENTED_ENDPOINTS = frozenset({"/metrics", "/openapi.json", "/docs", "/redoc"})
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class EngineCollector(Collector):
+    """Gauges and counters read from the engine and the memory guard when scraped."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.state.engine.stats
+        queue = GaugeMetricFamily("mlx_headroom_queue_depth", "requests in the engine by state",
+                                  labels=["state"])
+        queue.add_metric(["waiting"], stats.waiting)
+        queue.add_metric(["prefilling"], stats.prefilling)
+        queue.add_metric(["running"], stats.running)
+        yield queue
+
+        guard = self.state.guard
+        snapshot = guard.snapshot()
+        ceiling = guard.ceiling(snapshot)
+        yield GaugeMetricFamily("mlx_headroom_memory_usage_bytes",
+                                "this process's memory use (footprint less the allocator cache)",
+                                value=snapshot.footprint_bytes - snapshot.allocator_cache_bytes)
+        yield GaugeMetricFamily("mlx_headroom_memory_footprint_bytes", "this process's footprint",
+                                value=snapshot.footprint_bytes)
+        yield GaugeMetricFamily("mlx_headroom_memory_ceiling_bytes", "the hard memory ceiling",
+                                value=ceiling.hard_bytes)
+        components = GaugeMetricFamily("mlx_headroom_memory_ceiling_component_bytes",
+                                       "each limit the ceiling is the smallest of",
+                                       labels=["component"])
+        for name, value in sorted(ceiling.components.items()):
+            components.add_metric([name], value)
+        yield components
+        yield GaugeMetricFamily("mlx_headroom_committed_bytes",
+                                "memory reserved for admitted requests", value=stats.committed_bytes)
+        yield GaugeMetricFamily("mlx_headroom_kv_cache_bytes", "KV cache of running requests",
+                                value=stats.kv_bytes)
+
+        decisions = CounterMetricFamily("mlx_headroom_admission_decisions",
+                                        "memory guard decisions by outcome", labels=["outcome"])
+        for outcome, count in sorted(guard.counts().items(), key=lambda kv: kv[0].value):
+            decisions.add_metric([outcome.value], count)
+        yield decisions
+
+        prefix = stats.prefix_cache
+        for name, doc, value in (
+            ("hits", "prefix-cache lookups that reused a cached prefix", prefix.hits if prefix else 0),
+            ("misses", "prefix-cache lookups that found nothing", prefix.misses if prefix else 0),
+            ("evictions", "prefix-cache entries evicted", prefix.evictions if prefix else 0),
+        ):
+            yield CounterMetricFamily(f"mlx_headroom_prefix_cache_{name}", doc, value=value)
+        yield GaugeMetricFamily("mlx_headroom_prefix_cache_bytes", "bytes held by the prefix cache",
+                                value=prefix.bytes if prefix else 0)
+        yield GaugeMetricFamily("mlx_headroom_prefix_cache_max_bytes", "the prefix cache's limit",
+                                value=prefix.max_bytes if prefix else 0)
+        yield GaugeMetricFamily("mlx_headroom_prefix_cache_entries", "entries in the prefix cache",
+                                value=prefix.entries if prefix else 0)
+
+
+class Metrics:
+    def __init__(self, state: ServerState) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.requests = Counter("mlx_headroom_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=self.registry)
+        self.prompt_tokens = Counter("mlx_headroom_prompt_tokens", "prompt tokens of served requests",
+                                     registry=self.registry)
+        self.completion_tokens = Counter("mlx_headroom_completion_tokens", "tokens generated",
+                                         registry=self.registry)
+        self.ttft = Histogram("mlx_headroom_time_to_first_token_seconds",
+                              "from the request's arrival to its first token",
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("mlx_headroom_time_per_output_token_seconds",
+                              "decode time per generated token after the first",
+                              buckets=TPOT_BUCKETS, registry=self.registry)
+        self.registry.register(EngineCollector(state))
+        self._endpoints: frozenset[str] | None = None
+
+    def endpoint(self, scope: dict[str, Any]) -> str:
+        """The route's path when it is one of ours, so unknown paths cannot blow up labels."""
+        if self._endpoints is None:
+            documented = scope["app"].openapi().get("paths", {})
+            self._endpoints = frozenset(documented) | UNDOCUMENTED_ENDPOINTS
+        path: str = scope["path"]
+        if path in self._endpoints:
+            return path
+        if path.startswith("/dashboard"):
+            return "/dashboard"
+        return "other"
+
+    def observe(self, record: dict[str, Any], scope: dict[str, Any]) -> None:
+        self.requests.labels(self.endpoint(scope), str(record["status"])).inc()
+        if record["prompt_tokens"]:
+            self.prompt_tokens.inc(record["prompt_tokens"])
+        completion = record["completion_tokens"] or 0
+        if completion:
+            self.completion_tokens.inc(completion)
+        ttft = record["ttft_s"]
+        if ttft is not None:
+            self.ttft.observe(ttft)
+            if completion > 1:
+                self.tpot.observe(max(record["total_s"] - ttft, 0.0) / (completion - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
