@@ -1,10 +1,11 @@
 """A prefix (KV) cache with byte accounting, LRU eviction and protected entries.
 
-Entries hold the KV arrays of a prompt's prefix, keyed by its token ids. MLX arrays are
-immutable, so a hit hands out fresh `KVCache` objects that share the stored arrays: the
-request's first write makes its own copy and the entry stays intact. That is why a hit
-costs nothing until the request grows its cache, and why an entry can be evicted while
-a request that hit it is still running.
+Entries hold the KV arrays of a prompt's prefix, keyed by its token ids. An MLX array
+object is updated in place by slice assignment (`KVCache.update_and_fetch` does that), so
+an entry and a request must never hold the same array *object*: both sides get their own
+slice views. Views share the buffer until the request writes, when MLX copies it because
+the entry still holds a reference. A hit therefore costs nothing until the request grows
+its cache, and an entry can be evicted while a request that hit it is still running.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ class PrefixCache:
         caches = []
         for keys, values, _ in self._entries[best_key].layers:
             c = KVCache()
-            c.keys, c.values, c.offset = keys, values, best_len
+            c.keys, c.values = keys[..., :best_len, :], values[..., :best_len, :]
+            c.offset = best_len
             caches.append(c)
         return PrefixHit(best_key, best_len, caches)
 
@@ -115,8 +117,8 @@ class PrefixCache:
             elif n == len(arr):
                 self._entries.move_to_end(other_key)
                 return
-        layers = [(c.keys, c.values, c.offset) for c in caches]
-        nbytes = sum(c.nbytes for c in caches)
+        layers = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :], c.offset) for c in caches]
+        nbytes = sum(c.nbytes for c in caches)  # the views keep the whole buffers alive
         if nbytes > self.max_bytes:
             return
         self._entries[key] = _Entry(arr, layers, nbytes)

@@ -239,3 +239,21 @@ def test_prefix_cache_hit_reports_cached_tokens(server):
     assert first.status_code == second.status_code == 200
     cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= len(system["content"])
+
+
+def test_prefix_cache_entries_are_not_corrupted_by_requests_that_hit_them(server):
+    def complete(prompt: str) -> dict:
+        return httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+            "logprobs": 1}).json()
+
+    base = "The shared beginning of two prompts. " * 8
+    first = complete(base + "first ending")
+    diverging = complete(base[:200] + "a different continuation that overwrites nothing")
+    assert diverging["usage"]["prompt_tokens_details"]["cached_tokens"] == 200
+    again = complete(base + "first ending")
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 200
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    # logprobs are sensitive to every cached key and value, not only to the argmax
+    assert again["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
+        first["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4)
