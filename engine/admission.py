@@ -95,13 +95,21 @@ class Admission:
         admitted: list[Sequence],
         allocated_kv: int,
         evictable: int,
+        batch_kv_bytes: int = 0,
     ) -> ChunkPlan:
-        """Ask before the chunk; when it does not fit, halve it down to the floor first."""
+        """Ask before the chunk; when it does not fit, halve it down to the floor first.
+
+        The last chunk is followed, in the same step, by the join: the prompt's KV is copied
+        into the batch (`BatchKVCache.merge`, then `extend`, one layer at a time), so for a
+        moment the prompt's KV exists twice and one layer of the batch three times.
+        """
         committed = self.committed_bytes(admitted, allocated_kv)
         releasable = max(self.reservation_bytes([s for s in admitted if s is not seq]), 0)
         tokens = min(seq.chunk_tokens, seq.remaining_prefill)
         while True:
             predicted = self._chunk_prediction(seq, tokens)
+            if tokens >= seq.remaining_prefill:
+                predicted += self.join_transient_bytes(seq, batch_kv_bytes)
             decision = self.guard.check(
                 AdmissionQuery(
                     predicted_bytes=predicted,
@@ -117,6 +125,10 @@ class Admission:
             if tokens <= self.min_chunk_tokens:
                 return ChunkPlan(tokens, predicted, decision)
             tokens = max(tokens // 2, self.min_chunk_tokens)
+
+    def join_transient_bytes(self, seq: Sequence, batch_kv_bytes: int) -> int:
+        layers = max(self.geometry.num_layers, 1)
+        return kv_cache_bytes(self.geometry, seq.prompt_len) + 2 * batch_kv_bytes // layers
 
     def observe_chunk(self, tokens: int, peak_delta_bytes: int) -> None:
         self.tracker.observe(tokens, peak_delta_bytes)

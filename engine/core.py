@@ -269,6 +269,7 @@ class EngineCore:
             plan = self.admission.plan_chunk(
                 seq, self._admitted(), self._allocated_kv(),
                 self.prefix_cache.evictable_bytes(self._protected()),
+                batch_kv_bytes=self.batch.kv_nbytes(),
             )
             if not self._act_on(seq, plan.decision, time.monotonic()):
                 return
