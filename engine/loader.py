@@ -58,20 +58,30 @@ def load_model(
     model: str = DEFAULT_MODEL,
     *,
     model_id: str | None = None,
+    load_format: str = "auto",
+    dtype: str | None = None,
     progress: Callable[[str], None] = log.info,
 ) -> LoadedModel:
     import mlx_lm
 
     started = time.monotonic()
-    if model == DEFAULT_MODEL:
+    if load_format == "dummy":
+        from engine.dummy_model import load_dummy_model
+
+        name = model_id or model
+        progress(f"building dummy model {name} (random weights, dtype {dtype or 'default'})")
+        dummy = load_dummy_model(model, dtype=dtype)
+        source, loaded_model, tokenizer = str(dummy.path), dummy.model, dummy.tokenizer
+    elif model == DEFAULT_MODEL:
         progress("building the embedded default model (first use only)")
         source = str(ensure_default_model())
         name = model_id or "mlx-headroom/tiny-chat"
     else:
         source = model
         name = model_id or model
-    progress(f"loading model {name} from {source}")
-    loaded_model, tokenizer = mlx_lm.load(source)
+    if load_format != "dummy":
+        progress(f"loading model {name} from {source}")
+        loaded_model, tokenizer = mlx_lm.load(source)
     mx.eval(loaded_model.parameters())
     path = Path(source) if Path(source).exists() else None
     if path is None:

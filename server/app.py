@@ -58,7 +58,8 @@ def create_app(
     settings = settings or Settings()
     guard = make_guard(settings, probe)
     engine = EngineClient(
-        load=load or (lambda: load_model(settings.model, model_id=settings.public_model_name)),
+        load=load or (lambda: load_model(settings.model, model_id=settings.public_model_name,
+                                         load_format=settings.load_format, dtype=settings.dtype)),
         guard=guard,
         config=engine_config(settings),
         max_queue=settings.max_queue,

@@ -31,6 +31,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--model", help="mlx-lm model directory or hub id ('default': the embedded tiny model)"
     )
+    serve.add_argument(
+        "--load-format", choices=["auto", "dummy"],
+        help="'dummy': random weights; --model then names a preset (llama3-8b, qwen2.5-7b, tiny) "
+        "or a config.json",
+    )
+    serve.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                       help="weight dtype of a dummy model")
     serve.add_argument("--served-model-name")
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int)

@@ -15,6 +15,12 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MLX_HEADROOM_", env_file=".env", extra="ignore")
 
     model: str = Field("default", description="mlx-lm model directory, hub id, or 'default'")
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto", description="'dummy': random weights of a preset's or config.json's shape (`model`)"
+    )
+    dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
+        None, description="weight dtype of a dummy model (default: the config's, else bfloat16)"
+    )
     served_model_name: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
