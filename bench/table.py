@@ -1,0 +1,120 @@
+"""A results JSON as a markdown table for the README: `python -m bench.table bench/results/X.json`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+NAMES = {"ours": "mlx-headroom", "mlx_lm": "mlx_lm.server"}
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    if isinstance(value, int) and abs(value) >= 1 << 20:
+        return f"{value / 2**30:.2f} GiB" if value >= 1 << 30 else f"{value / 2**20:.0f} MiB"
+    return str(value)
+
+
+def _outcomes(r: dict[str, Any]) -> str:
+    failed = ", ".join(f"{k}×{v}" for k, v in (r.get("failed_by_status") or {}).items())
+    dropped = ", ".join(f"{k}×{v}" for k, v in (r.get("dropped_by_reason") or {}).items())
+    text = f"{r.get('ok', 0)}/{r.get('requests', 0)} ok"
+    if failed:
+        text += f"; failed {failed}"
+    if dropped:
+        text += f"; dropped {dropped}"
+    return text
+
+
+def _peak(r: dict[str, Any]) -> str:
+    peak = (r.get("watch") or {}).get("peak") or {}
+    parts = [f"{label} {_fmt(peak[key])}" for key, label in
+             (("usage_bytes", "MLX"), ("gpu_used_bytes", "GPU"), ("rss_bytes", "RSS")) if key in peak]
+    return ", ".join(parts) or "–"
+
+
+def markdown(data: dict[str, Any]) -> str:
+    sc = data.get("scenarios", {})
+    servers = [s for s in ("ours", "mlx_lm") if any(s in v for v in sc.values())]
+    model = data.get("model", {})
+    machine = data.get("machine", {})
+    info = machine.get("device_info", {})
+    versions = data.get("versions", {})
+    lines = [
+        f"**{data.get('run')}**: {model.get('name')} ({model.get('dtype')}, "
+        f"{_fmt(model.get('weight_bytes'))} of weights) on {info.get('device_name') or machine.get('cpu')} "
+        f"({machine.get('backend')}); mlx {versions.get('mlx')}, mlx-lm {versions.get('mlx_lm')}, "
+        f"mlx-headroom {versions.get('mlx_headroom')}",
+        "",
+        "| scenario | metric | " + " | ".join(NAMES[s] for s in servers) + " |",
+        "|---|---|" + "---|" * len(servers),
+    ]
+
+    def row(scenario: str, metric: str, values: list[str]) -> None:
+        lines.append(f"| {scenario} | {metric} | " + " | ".join(values) + " |")
+
+    sizes = data.get("settings", {}).get("sizes", {})
+    tp = sc.get("throughput", {})
+    concurrencies = sorted({p["concurrency"] for s in servers for p in (tp.get(s) or [])
+                            if isinstance(p, dict) and "concurrency" in p})
+    for c in concurrencies:
+        label = f"throughput C={c}, P={sizes.get('prompt_tokens')}, T={sizes.get('max_tokens')}"
+        points = {s: next((p for p in (tp.get(s) or []) if p.get("concurrency") == c), {}) for s in servers}
+        row(label, "output tok/s", [_fmt(points[s].get("output_tok_s")) for s in servers])
+        row(label, "TTFT p50 / p95 ms", [f"{_fmt(points[s].get('ttft_ms_p50'), 0)} / "
+                                        f"{_fmt(points[s].get('ttft_ms_p95'), 0)}" for s in servers])
+        row(label, "TPOT p50 / p95 ms", [f"{_fmt(points[s].get('tpot_ms_p50'))} / "
+                                        f"{_fmt(points[s].get('tpot_ms_p95'))}" for s in servers])
+        row(label, "requests", [_outcomes(points[s]) if points[s] else "–" for s in servers])
+    derived = data.get("derived", {})
+    if "bandwidth_bound_tok_s" in derived:
+        bw = (data.get("bandwidth") or {}).get("bytes_per_s", 0) / 1e9
+        row(f"C=1 vs bandwidth bound ({bw:.0f} GB/s copy → {derived['bandwidth_bound_tok_s']:.0f} tok/s)",
+            "fraction", [_fmt(derived.get(f"{s}_c1_bandwidth_fraction"), 3) for s in servers])
+    guard = sc.get("guard", {}).get("ours")
+    if guard and "error" not in guard:
+        row(f"guard on vs off, C={guard['concurrency']}", "tok/s on / off (cost %, goal ≤ 2)",
+            [f"{_fmt(guard['on_tok_s'])} / {_fmt(guard['off_tok_s'])} ({_fmt(guard['cost_pct'], 2)} %)"
+             if s == "ours" else "n/a" for s in servers])
+    prefix = sc.get("prefix", {})
+    if prefix:
+        label = f"prefix cache, {sizes.get('prefix_tokens')}-token system prompt"
+        row(label, "TTFT cold / hit ms (hit/cold, goal ≤ 0.15)",
+            [f"{_fmt(prefix[s].get('cold_ttft_ms_p50'), 0)} / {_fmt(prefix[s].get('hit_ttft_ms_p50'), 0)} "
+             f"({_fmt(prefix[s].get('hit_over_cold'), 3)})" if isinstance(prefix.get(s), dict)
+             and "error" not in prefix[s] else "–" for s in servers])
+    pressure = sc.get("pressure", {})
+    if pressure:
+        ceiling = data.get("settings", {}).get("pressure_ceiling_bytes")
+        label = (f"memory pressure, {sizes.get('pressure_requests')} × {sizes.get('pressure_prompt_tokens')}"
+                 f"-token prompts, T={sizes.get('pressure_max_tokens')}")
+        if ceiling:
+            label += f" (ours on a simulated {_fmt(ceiling)} machine)"
+        cells = {s: pressure.get(s) or {} for s in servers}
+        row(label, "200 / 507 / dropped", [f"{c.get('completed_200', '–')} / {c.get('refused_507', '–')} / "
+                                           f"{c.get('dropped', '–')}" if "error" not in c else "error"
+                                           for c in cells.values()])
+        row(label, "peak memory", [_peak(c) for c in cells.values()])
+        row(label, "/health failures; alive after", [
+            f"{(c.get('watch') or {}).get('health_failures', '–')} of "
+            f"{(c.get('watch') or {}).get('health_samples', '–')}; "
+            f"{'yes' if (c.get('watch') or {}).get('alive_after') else 'no'}" for c in cells.values()])
+    for error in data.get("errors", []):
+        lines.append(f"\nerror: {error}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    for path in argv:
+        print(markdown(json.loads(Path(path).read_text())))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
