@@ -96,6 +96,7 @@ class Admission:
         allocated_kv: int,
         evictable: int,
         batch_kv_bytes: int = 0,
+        max_tokens: int | None = None,
     ) -> ChunkPlan:
         """Ask before the chunk; when it does not fit, halve it down to the floor first.
 
@@ -105,7 +106,7 @@ class Admission:
         """
         committed = self.committed_bytes(admitted, allocated_kv)
         releasable = max(self.reservation_bytes([s for s in admitted if s is not seq]), 0)
-        tokens = min(seq.chunk_tokens, seq.remaining_prefill)
+        tokens = min(seq.chunk_tokens, seq.remaining_prefill, max_tokens or seq.chunk_tokens)
         while True:
             predicted = self._chunk_prediction(seq, tokens)
             if tokens >= seq.remaining_prefill:

@@ -107,6 +107,7 @@ class EngineCore:
         self._stop = False
         self._outputs: list[RequestOutput] = []
         self.oom_recoveries = 0
+        self._prefilling_now: Sequence | None = None
 
     # ---- called from other threads ------------------------------------------------
     def submit(self, request: EngineRequest) -> None:
@@ -135,9 +136,10 @@ class EngineCore:
     def step(self) -> None:
         self._schedule_waiting()
         try:
-            self._prefill_one_chunk()
+            self._prefill()
         except RuntimeError as exc:
-            self._recover_from_device_oom(exc, self.prefilling[:1])
+            victim, self._prefilling_now = self._prefilling_now, None
+            self._recover_from_device_oom(exc, [victim] if victim else [])
         try:
             self._decode()
         except RuntimeError as exc:
@@ -261,22 +263,29 @@ class EngineCore:
         self._finish(seq, RequestStatus.FINISHED_REJECTED, error=error)
 
     # ---- prefill ---------------------------------------------------------------------
-    def _prefill_one_chunk(self) -> None:
-        if not self.prefilling:
-            return
-        seq = self.prefilling[0]
-        if seq.remaining_prefill > 0:
-            plan = self.admission.plan_chunk(
-                seq, self._admitted(), self._allocated_kv(),
-                self.prefix_cache.evictable_bytes(self._protected()),
-                batch_kv_bytes=self.batch.kv_nbytes(),
-            )
-            if not self._act_on(seq, plan.decision, time.monotonic()):
-                return
-            seq.wait_since = None
-            self._run_chunk(seq, plan.tokens)
-        if seq.remaining_prefill == 0:
-            self._join_batch(seq)
+    def _prefill(self) -> None:
+        """Run up to `prefill_step_size` prompt tokens this step, first come first served:
+        several short prompts share a step, a long one takes it all, in chunks."""
+        budget = self.config.prefill_step_size
+        while self.prefilling and budget > 0:
+            seq = self._prefilling_now = self.prefilling[0]
+            if seq.remaining_prefill > 0:
+                plan = self.admission.plan_chunk(
+                    seq, self._admitted(), self._allocated_kv(),
+                    self.prefix_cache.evictable_bytes(self._protected()),
+                    batch_kv_bytes=self.batch.kv_nbytes(),
+                    max_tokens=budget,
+                )
+                if not self._act_on(seq, plan.decision, time.monotonic()):
+                    if seq in self.prefilling:
+                        return  # it waits, and so does everyone behind it
+                    continue  # refused: the next one may fit
+                seq.wait_since = None
+                self._run_chunk(seq, plan.tokens)
+                budget -= plan.tokens
+            if seq.remaining_prefill == 0:
+                self._join_batch(seq)
+        self._prefilling_now = None
 
     def _run_chunk(self, seq: Sequence, tokens: int) -> None:
         assert seq.caches is not None
