@@ -69,25 +69,46 @@ class Admission:
         allocated_kv: int,
         evictable: int,
     ) -> Decision:
-        """Can the request's whole reservation, and its smallest first chunk, be had?
+        """Can the request's whole reservation be had, with room left for prefill chunks?
 
-        The chunk is sized at the floor: a larger one is shrunk later rather than refused.
+        Admission leaves headroom for the largest full-size chunk among the admitted
+        requests and this one; without it, reservations could fill the ceiling and leave
+        no room for anyone's next chunk. When that does not fit but a floor-sized chunk
+        would, and nothing else is in flight, the request is admitted anyway: its chunks
+        will shrink rather than be refused.
         """
         before = self.reservation_bytes(admitted)
         growth = self.reservation_bytes([*admitted, seq]) - before
-        first = self._chunk_prediction(
-            seq, max(min(self.min_chunk_tokens, seq.remaining_prefill), 1)
+
+        def ask(chunk: int) -> Decision:
+            return self.guard.check(
+                AdmissionQuery(
+                    predicted_bytes=growth + chunk,
+                    committed_bytes=max(before - allocated_kv, 0),
+                    evictable_bytes=evictable,
+                    releasable_bytes=max(before, allocated_kv),
+                    request_id=seq.request_id,
+                ),
+                record=False,
+            )
+
+        full = max(
+            (self.full_chunk_prediction(s) for s in [*admitted, seq] if s.remaining_prefill),
+            default=0,
         )
-        return self.guard.check(
-            AdmissionQuery(
-                predicted_bytes=growth + first,
-                committed_bytes=max(before - allocated_kv, 0),
-                evictable_bytes=evictable,
-                releasable_bytes=max(before, allocated_kv),
-                request_id=seq.request_id,
-            ),
-            record=False,
-        )
+        decision = ask(full)
+        if decision.outcome is Outcome.REJECT and not admitted:
+            floor = self._chunk_prediction(seq, max(min(self.min_chunk_tokens, seq.remaining_prefill), 1))
+            fallback = ask(floor)
+            if fallback.outcome in (Outcome.ADMIT, Outcome.EVICT):
+                return fallback
+        return decision
+
+    def full_chunk_prediction(self, seq: Sequence) -> int:
+        """A full-size chunk; for the last one, plus the copy of the prompt's KV at the join."""
+        tokens = max(min(seq.chunk_tokens, seq.remaining_prefill), 1)
+        join = kv_cache_bytes(self.geometry, seq.prompt_len) if tokens >= seq.remaining_prefill else 0
+        return self._chunk_prediction(seq, tokens) + join
 
     def plan_chunk(
         self,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -19,6 +20,8 @@ from engine.request import EngineRequest, RequestOutput
 from memory import MemoryGuard
 
 log = logging.getLogger("mlx_headroom.engine")
+
+GIL_SWITCH_INTERVAL_S = 0.001
 
 
 class RequestStream:
@@ -77,6 +80,10 @@ class EngineClient:
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
+        # The engine thread hands the GIL back and forth with the event loop every step;
+        # at CPython's default 5 ms switch interval each handoff can stall the decode loop
+        # for that long while the loop is busy streaming. 1 ms keeps the stall small.
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         self._loop = asyncio.get_running_loop()
         ready: asyncio.Future[None] = self._loop.create_future()
 

@@ -58,6 +58,8 @@ class EngineStats:
     batched_steps: int = 0
     generated_tokens: int = 0
     prompt_tokens: int = 0
+    preemptions: int = 0
+    oom_recoveries: int = 0
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,7 @@ class EngineCore:
         self._stop = False
         self._outputs: list[RequestOutput] = []
         self.oom_recoveries = 0
+        self.preemptions = 0
         self._prefilling_now: Sequence | None = None
 
     # ---- called from other threads ------------------------------------------------
@@ -126,14 +129,19 @@ class EngineCore:
 
     # ---- the engine thread ----------------------------------------------------------
     def run_forever(self) -> None:
+        idle = True
         while not self._stop:
-            self._drain_inbox(block=not self._has_work())
+            # Block while there is nothing to do; when everything waits for memory that
+            # only an abort or a new setting can free, poll gently instead of spinning.
+            self._drain_inbox(timeout=None if not self._has_work() else (0.005 if idle else 0.0))
             if self._stop:
                 break
-            self.step()
+            idle = not self.step()
         self._abort_all("the server is shutting down")
 
-    def step(self) -> None:
+    def step(self) -> bool:
+        """One engine step; False when it could do nothing (everything waits)."""
+        chunks_before = self._counters["prefill_chunks"]
         self._schedule_waiting()
         try:
             self._prefill()
@@ -146,16 +154,20 @@ class EngineCore:
             self._recover_from_device_oom(exc, list(self.batch.seqs))
         self._counters["steps"] += 1
         self._publish_stats()
+        progressed = bool(self._outputs or len(self.batch))
         if self._outputs:
             outputs, self._outputs = self._outputs, []
             self.publish(outputs)
+        return progressed or self._counters["prefill_chunks"] != chunks_before
 
     def _has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or len(self.batch))
 
-    def _drain_inbox(self, *, block: bool) -> None:
+    def _drain_inbox(self, *, timeout: float | None) -> None:
+        """Take everything queued; wait up to `timeout` seconds for the first (None: 0.5 s)."""
+        wait = 0.5 if timeout is None else timeout
         try:
-            item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+            item = self.inbox.get(timeout=wait) if wait > 0 else self.inbox.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -277,15 +289,38 @@ class EngineCore:
                     max_tokens=budget,
                 )
                 if not self._act_on(seq, plan.decision, time.monotonic()):
-                    if seq in self.prefilling:
-                        return  # it waits, and so does everyone behind it
-                    continue  # refused: the next one may fit
+                    if seq not in self.prefilling:
+                        continue  # refused: the next one may fit
+                    if not len(self.batch) and self._preempt_youngest_prefill(seq):
+                        continue  # memory was handed back: ask again
+                    return  # it waits, and so does everyone behind it
                 seq.wait_since = None
                 self._run_chunk(seq, plan.tokens)
                 budget -= plan.tokens
             if seq.remaining_prefill == 0:
                 self._join_batch(seq)
         self._prefilling_now = None
+
+    def _preempt_youngest_prefill(self, head: Sequence) -> bool:
+        """Break a wait that nothing would end: the head of the prefill queue waits for
+        memory, no sequence is decoding (none will finish and release any), and the rest
+        is held by prefills queued behind it. Send the youngest of those back to the
+        waiting queue, its KV dropped (it is recomputed later), as vLLM preempts."""
+        victims = [s for s in self.prefilling if s is not head]
+        if not victims:
+            return False
+        seq = victims[-1]
+        self.prefilling.remove(seq)
+        seq.caches = None
+        seq.processed = seq.cached_tokens = 0
+        seq.prefix_key = None
+        seq.wait_since = None
+        seq.status = RequestStatus.WAITING
+        self.waiting.appendleft(seq)  # older than anything still waiting
+        self.preemptions += 1
+        mx.clear_cache()
+        log.info("preempted request %s to let %s prefill", seq.request_id, head.request_id)
+        return True
 
     def _run_chunk(self, seq: Sequence, tokens: int) -> None:
         assert seq.caches is not None
@@ -421,4 +456,6 @@ class EngineCore:
             batched_steps=c["batched_steps"],
             generated_tokens=c["generated_tokens"],
             prompt_tokens=c["prompt_tokens"],
+            preemptions=self.preemptions,
+            oom_recoveries=self.oom_recoveries,
         )

@@ -7,6 +7,7 @@ The tiny model holds 2 KiB of KV per token (4 layers × 2 KV heads × 32 dims ×
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -276,3 +277,29 @@ def test_committed_bytes_return_to_zero_and_decode_stays_within_reservation(star
     wait_until(lambda: idle(proc.url))
     m = mem(proc.url)
     assert m["committed_bytes"] == 0 and m["kv_bytes"] == 0
+
+
+def test_more_long_prompts_than_fit_all_complete(start_server):
+    """Prompts that each fit alone but not together are all answered, none refused: they
+    take turns (waiting, and preempting a queued prefill when nothing else would free
+    memory) instead of deadlocking or failing."""
+    proc = start_server(args=[*ALLOCATOR, "--prefill-step-size", "256"],
+                        env={"MLX_HEADROOM_MEMORY_WAIT_TIMEOUT_S": "120"})
+    set_ceiling_above_usage(proc.url, 3 * reservation(1204) + 12 * MiB)
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=proc.url, timeout=120) as client:
+            return await asyncio.gather(*[
+                client.post("/v1/completions", json={
+                    "model": MODEL, "prompt": chr(ord("A") + i) * 1200, "max_tokens": 4,
+                    "temperature": 0})
+                for i in range(8)
+            ])
+
+    responses = asyncio.run(run())
+    assert [r.status_code for r in responses] == [200] * 8, [r.text for r in responses]
+    assert all(r.json()["usage"]["completion_tokens"] == 4 for r in responses)
+    m = mem(proc.url)
+    assert m["engine"]["max_batch"] < 8  # they did not all fit at once
+    wait_until(lambda: idle(proc.url))
+    assert mem(proc.url)["committed_bytes"] == 0
