@@ -16,7 +16,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from engine.decode_batch import DecodeBatch
-from engine.dummy_model import dummy_config, build_dummy_model
+from engine.dummy_model import build_dummy_model, dummy_config
 from engine.request import EngineRequest, SamplingParams
 from engine.sequence import Sequence
 
@@ -67,7 +67,8 @@ def _copy(cache):
     from mlx_lm.models.cache import KVCache
 
     c = KVCache()
-    c.keys, c.values, c.offset = cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :], cache.offset
+    n = cache.offset
+    c.keys, c.values, c.offset = cache.keys[..., :n, :], cache.values[..., :n, :], n
     return c
 
 

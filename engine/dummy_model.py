@@ -27,11 +27,10 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from engine.tiny_model import (
-    CHAT_TEMPLATE,
     SPECIAL_TOKENS,
     TinyModelShape,
     default_cache_dir,
-    tokenizer_json,
+    write_tokenizer_files,
 )
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -194,26 +193,7 @@ def write_model_files(out_dir: Path, config: dict[str, Any]) -> Path:
     """config.json and the embedded tokenizer's files: an mlx-lm model directory, less weights."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "tokenizer.json").write_text(json.dumps(tokenizer_json()))
-    (out_dir / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "model_max_length": int(config.get("max_position_embeddings", 8192)),
-                "bos_token": None,
-                "eos_token": "<|im_end|>",
-                "pad_token": "<|endoftext|>",
-                "unk_token": None,
-                "add_bos_token": False,
-                "add_eos_token": False,
-                "clean_up_tokenization_spaces": False,
-                "chat_template": CHAT_TEMPLATE,
-            }
-        )
-    )
-    (out_dir / "special_tokens_map.json").write_text(
-        json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
-    )
+    write_tokenizer_files(out_dir, model_max_length=int(config.get("max_position_embeddings", 8192)))
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return out_dir
 

@@ -115,6 +115,30 @@ def tokenizer_json() -> dict[str, object]:
     }
 
 
+def write_tokenizer_files(directory: Path, *, model_max_length: int) -> None:
+    """The embedded tokenizer as a Hugging Face tokenizer directory's files."""
+    (directory / "tokenizer.json").write_text(json.dumps(tokenizer_json()))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "model_max_length": model_max_length,
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "unk_token": None,
+                "add_bos_token": False,
+                "add_eos_token": False,
+                "clean_up_tokenization_spaces": False,
+                "chat_template": CHAT_TEMPLATE,
+            }
+        )
+    )
+    (directory / "special_tokens_map.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
+    )
+
+
 def _config(shape: TinyModelShape, vocab_size: int) -> dict[str, object]:
     return {
         "model_type": "llama",
@@ -191,26 +215,7 @@ def build_tiny_model(path: Path, shape: TinyModelShape = TinyModelShape()) -> Pa
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     save_file(_weights(shape, vocab_size), str(tmp / "model.safetensors"))
-    (tmp / "tokenizer.json").write_text(json.dumps(tokenizer_json()))
-    (tmp / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "model_max_length": shape.max_position_embeddings,
-                "bos_token": None,
-                "eos_token": "<|im_end|>",
-                "pad_token": "<|endoftext|>",
-                "unk_token": None,
-                "add_bos_token": False,
-                "add_eos_token": False,
-                "clean_up_tokenization_spaces": False,
-                "chat_template": CHAT_TEMPLATE,
-            }
-        )
-    )
-    (tmp / "special_tokens_map.json").write_text(
-        json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
-    )
+    write_tokenizer_files(tmp, model_max_length=shape.max_position_embeddings)
     (tmp / "config.json").write_text(json.dumps(_config(shape, vocab_size), indent=2))
     try:
         tmp.rename(path)

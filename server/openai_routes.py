@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -15,6 +15,7 @@ from server.errors import APIError, BadRequest, NotFound
 from server.generation import ChoiceResult, Generation, gather, prepare
 from server.schemas import ChatCompletionRequest, CompletionRequest
 from server.state import ServerState, get_state
+from server.text_stream import TextDelta
 
 router = APIRouter()
 
@@ -133,33 +134,22 @@ async def chat_completions(
     if body.stream:
         first = await _first_or_error(generation)
 
-        async def stream() -> AsyncIterator[bytes]:
-            try:
-                yield chunk([
-                    {"index": c.index, "delta": {"role": "assistant", "content": ""},
-                     "logprobs": None, "finish_reason": None}
-                    for c in generation.choices
-                ])
-                events = _chain(first, generation)
-                async for choice, delta, finish in events:
-                    if not delta.text and finish is None and not delta.logprobs:
-                        continue
-                    lp = _chat_logprobs(tokenizer, delta.logprobs) if body.logprobs else None
-                    yield chunk([{
-                        "index": choice.index,
-                        "delta": {"content": delta.text} if delta.text else {},
-                        "logprobs": lp,
-                        "finish_reason": finish,
-                    }])
-                if body.stream_options and body.stream_options.include_usage:
-                    yield chunk([], generation.usage())
-            except APIError as exc:
-                yield _sse(exc.body())
-            finally:
-                generation.close()
-            yield b"data: [DONE]\n\n"
+        def event(choice: ChoiceResult, delta: TextDelta, finish: str | None) -> bytes:
+            return chunk([{
+                "index": choice.index,
+                "delta": {"content": delta.text} if delta.text else {},
+                "logprobs": _chat_logprobs(tokenizer, delta.logprobs) if body.logprobs else None,
+                "finish_reason": finish,
+            }])
 
-        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+        role = chunk([
+            {"index": c.index, "delta": {"role": "assistant", "content": ""},
+             "logprobs": None, "finish_reason": None}
+            for c in generation.choices
+        ])
+        wants_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _event_stream(generation, first, event, prelude=role,
+                             usage=(lambda: chunk([], generation.usage())) if wants_usage else None)
 
     try:
         await gather(generation, request)
@@ -219,26 +209,17 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
     if body.stream:
         first = await _first_or_error(generation)
 
-        async def stream() -> AsyncIterator[bytes]:
-            try:
-                async for choice, delta, finish in _chain(first, generation):
-                    if not delta.text and finish is None and not delta.logprobs:
-                        continue
-                    yield _sse(payload([{
-                        "index": choice.index,
-                        "text": delta.text,
-                        "logprobs": logprobs_for(choice.index, delta.logprobs),
-                        "finish_reason": finish,
-                    }], None))
-                if body.stream_options and body.stream_options.include_usage:
-                    yield _sse(payload([], generation.usage()))
-            except APIError as exc:
-                yield _sse(exc.body())
-            finally:
-                generation.close()
-            yield b"data: [DONE]\n\n"
+        def event(choice: ChoiceResult, delta: TextDelta, finish: str | None) -> bytes:
+            return _sse(payload([{
+                "index": choice.index,
+                "text": delta.text,
+                "logprobs": logprobs_for(choice.index, delta.logprobs),
+                "finish_reason": finish,
+            }], None))
 
-        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+        wants_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _event_stream(generation, first, event,
+                             usage=(lambda: _sse(payload([], generation.usage()))) if wants_usage else None)
 
     try:
         await gather(generation, request)
@@ -269,6 +250,35 @@ async def list_models(request: Request) -> dict[str, Any]:
             "context_length": state.context_length if state.ready else None,
         }],
     }
+
+
+def _event_stream(
+    generation: Generation,
+    first: Any,
+    event: Callable[[ChoiceResult, TextDelta, str | None], bytes],
+    *,
+    prelude: bytes | None = None,
+    usage: Callable[[], bytes] | None = None,
+) -> StreamingResponse:
+    """SSE for a generation whose first event has arrived: its events, the usage chunk if
+    asked for, an error event if it fails midway, then `[DONE]`; closing aborts it."""
+
+    async def stream() -> AsyncIterator[bytes]:
+        try:
+            if prelude is not None:
+                yield prelude
+            async for choice, delta, finish in _chain(first, generation):
+                if delta.text or finish is not None or delta.logprobs:
+                    yield event(choice, delta, finish)
+            if usage is not None:
+                yield usage()
+        except APIError as exc:
+            yield _sse(exc.body())
+        finally:
+            generation.close()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 async def _first_or_error(generation: Generation) -> Any:
