@@ -76,6 +76,7 @@ async def guard_cost(server: Server, model: str, sizes: Sizes) -> dict[str, Any]
     """Throughput with the memory guard on and off (ours), ABBA-ordered rounds."""
     c = sizes.guard_concurrency
     runs: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
+    shares: list[float] = []  # engine-thread time spent in admission ÷ wall time, guard on
     n = 0
     try:
         for _ in range(sizes.guard_rounds):
@@ -85,8 +86,17 @@ async def guard_cost(server: Server, model: str, sizes: Sizes) -> dict[str, Any]
                 workload = Workload(c, sizes.prompt_tokens, sizes.max_tokens, c * sizes.guard_waves,
                                     model=model, timeout_s=sizes.request_timeout_s,
                                     first_index=1_000_000 + n * 10_000)
+                before = await _memory_view(server)
                 report, _ = await _load(server, workload)
-                runs["on" if enabled else "off"].append(report.summary())
+                after = await _memory_view(server)
+                summary = report.summary()
+                if enabled and before and after and summary.get("wall_s"):
+                    spent = after["engine"]["admission_s"] - before["engine"]["admission_s"]
+                    summary["admission_s"] = round(spent, 4)
+                    summary["admission_checks"] = (after["engine"]["admission_checks"]
+                                                   - before["engine"]["admission_checks"])
+                    shares.append(spent / summary["wall_s"] * 100)
+                runs["on" if enabled else "off"].append(summary)
     finally:
         await _set_guard(server, True)
     on = _median([r["output_tok_s"] for r in runs["on"] if r["output_tok_s"]])
@@ -94,7 +104,8 @@ async def guard_cost(server: Server, model: str, sizes: Sizes) -> dict[str, Any]
     cost = round((off - on) / off * 100, 2) if on and off else None
     return {"concurrency": c, "prompt_tokens": sizes.prompt_tokens, "max_tokens": sizes.max_tokens,
             "requests_per_run": c * sizes.guard_waves, "on_tok_s": on, "off_tok_s": off,
-            "cost_pct": cost, "goal_pct": 2.0, "runs": runs}
+            "cost_pct": cost, "goal_pct": 2.0,
+            "admission_time_pct": round(_median(shares), 3) if shares else None, "runs": runs}
 
 
 async def _memory_view(server: Server) -> dict[str, Any] | None:

@@ -81,6 +81,9 @@ def markdown(data: dict[str, Any]) -> str:
         row(f"guard on vs off, C={guard['concurrency']}", "tok/s on / off (cost %, goal ≤ 2)",
             [f"{_fmt(guard['on_tok_s'])} / {_fmt(guard['off_tok_s'])} ({_fmt(guard['cost_pct'], 2)} %)"
              if s == "ours" else "n/a" for s in servers])
+        if guard.get("admission_time_pct") is not None:
+            row(f"guard, C={guard['concurrency']}", "engine time in admission checks, % of wall",
+                [f"{_fmt(guard['admission_time_pct'], 3)} %" if s == "ours" else "n/a" for s in servers])
     prefix = sc.get("prefix", {})
     if prefix:
         label = f"prefix cache, {sizes.get('prefix_tokens')}-token system prompt"

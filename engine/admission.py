@@ -11,6 +11,7 @@ decoding can never outgrow what was admitted.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -49,6 +50,15 @@ class Admission:
         self.backend = backend
         self.min_chunk_tokens = min_chunk_tokens
         self.tracker = tracker or TransientTracker()
+        self.checks = 0
+        self.check_seconds = 0.0  # engine-thread time spent asking the guard: its cost
+
+    def _ask(self, query: AdmissionQuery) -> Decision:
+        started = time.perf_counter()
+        decision = self.guard.check(query, record=False)
+        self.check_seconds += time.perf_counter() - started
+        self.checks += 1
+        return decision
 
     def reservation_bytes(self, seqs: Iterable[Sequence]) -> int:
         """KV the decode batch reaches if every admitted sequence runs to max_tokens,
@@ -81,15 +91,14 @@ class Admission:
         growth = self.reservation_bytes([*admitted, seq]) - before
 
         def ask(chunk: int) -> Decision:
-            return self.guard.check(
+            return self._ask(
                 AdmissionQuery(
                     predicted_bytes=growth + chunk,
                     committed_bytes=max(before - allocated_kv, 0),
                     evictable_bytes=evictable,
                     releasable_bytes=max(before, allocated_kv),
                     request_id=seq.request_id,
-                ),
-                record=False,
+                )
             )
 
         full = max(
@@ -132,15 +141,14 @@ class Admission:
             predicted = self._chunk_prediction(seq, tokens)
             if tokens >= seq.remaining_prefill:
                 predicted += self.join_transient_bytes(seq, batch_kv_bytes)
-            decision = self.guard.check(
+            decision = self._ask(
                 AdmissionQuery(
                     predicted_bytes=predicted,
                     committed_bytes=committed,
                     evictable_bytes=evictable,
                     releasable_bytes=releasable,
                     request_id=seq.request_id,
-                ),
-                record=False,
+                )
             )
             if decision.outcome in (Outcome.ADMIT, Outcome.EVICT):
                 return ChunkPlan(tokens, predicted, decision)

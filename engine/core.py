@@ -60,6 +60,8 @@ class EngineStats:
     prompt_tokens: int = 0
     preemptions: int = 0
     oom_recoveries: int = 0
+    admission_checks: int = 0
+    admission_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -458,4 +460,6 @@ class EngineCore:
             prompt_tokens=c["prompt_tokens"],
             preemptions=self.preemptions,
             oom_recoveries=self.oom_recoveries,
+            admission_checks=self.admission.checks,
+            admission_s=round(self.admission.check_seconds, 6),
         )
