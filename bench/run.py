@@ -302,7 +302,7 @@ async def _run_ours(run: Run, selected: list[str], sizes: Sizes, model: str, dty
         server = _ours(log_dir, env, model, dtype, args.ours_arg)
 
         async def body() -> None:
-            run.record("warmup", "ours", await scenarios.warmup(server, OURS_NAME))
+            run.record("warmup", "ours", await scenarios.warmup(server, OURS_NAME, sizes.concurrency))
             if "throughput" in selected:
                 await run.scenario("throughput", server,
                                    lambda: scenarios.throughput(server, OURS_NAME, sizes))
@@ -344,7 +344,7 @@ async def _run_mlx_lm(run: Run, selected: list[str], sizes: Sizes, model: str, d
                     env=env, api_key=API_KEY)
 
     async def body() -> None:
-        run.record("warmup", "mlx_lm", await scenarios.warmup(server, MLX_LM_NAME))
+        run.record("warmup", "mlx_lm", await scenarios.warmup(server, MLX_LM_NAME, sizes.concurrency))
         if "throughput" in selected:
             await run.scenario("throughput", server, lambda: scenarios.throughput(server, MLX_LM_NAME, sizes))
         if "prefix" in selected:

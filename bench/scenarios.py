@@ -47,10 +47,16 @@ async def _load(server: Server, workload: Workload, **kw: Any) -> tuple[LoadRepo
     return report, watch.summary()
 
 
-async def warmup(server: Server, model: str) -> dict[str, Any]:
-    report = await run_load(server.url, Workload(1, 64, 4, model=model, first_index=9_000_000),
-                            api_key=server.api_key)
-    return report.summary()
+async def warmup(server: Server, model: str, concurrency: tuple[int, ...] = (1,)) -> dict[str, Any]:
+    """Short loads at each concurrency: MLX's CUDA backend compiles kernels per shape on first
+    use (and caches them on the machine), which would otherwise land in the first measured
+    run of each batch size."""
+    summary: dict[str, Any] = {}
+    for i, c in enumerate(sorted(set(concurrency) | {1})):
+        workload = Workload(c, 64, 8, c, model=model, first_index=9_000_000 + i * 1_000)
+        report = await run_load(server.url, workload, api_key=server.api_key)
+        summary[f"c{c}"] = report.summary()
+    return summary
 
 
 async def throughput(server: Server, model: str, sizes: Sizes) -> list[dict[str, Any]]:
