@@ -7,7 +7,6 @@ is wrapped to raise CUDA's error exactly where the test says.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ import uvicorn
 from engine import LoadedModel, load_model
 from server.app import create_app
 from server.settings import Settings
+from tests.conftest import free_port
 
 MODEL = "mlx-headroom/tiny-chat"
 CUDA_OOM = "[cudaMallocAsync] cudaMallocAsync(&data, size, stream) failed: out of memory"
@@ -59,9 +59,7 @@ def flaky_server(tiny_model_path: Path) -> Iterator[tuple[str, FlakyModel]]:
         holder["model"] = FlakyModel(loaded.model)
         return LoadedModel(**{**loaded.__dict__, "model": holder["model"]})
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     app = create_app(Settings(model=str(tiny_model_path), served_model_name=MODEL), load=load)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

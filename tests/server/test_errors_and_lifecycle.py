@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import time
 
 import httpx
 import pytest
+
+from tests.conftest import wait_until
 
 MODEL = "mlx-headroom/tiny-chat"
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -22,16 +23,6 @@ def assert_error(r: httpx.Response, status: int, code: str | None = None) -> dic
     if code is not None:
         assert err["code"] == code
     return err
-
-
-def wait_until(predicate, timeout: float = 20.0) -> None:
-    """Poll a condition on the server until it holds (the server has no push channel)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError("condition not reached in time")
 
 
 @pytest.mark.parametrize(

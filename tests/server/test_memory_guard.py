@@ -14,6 +14,8 @@ import time
 import httpx
 import pytest
 
+from tests.conftest import wait_until
+
 MODEL = "mlx-headroom/tiny-chat"
 KV_PER_TOKEN = 2048
 MiB = 1 << 20
@@ -45,15 +47,6 @@ def complete(url: str, prompt: str, max_tokens: int = 1, **extra) -> httpx.Respo
     return httpx.post(f"{url}/v1/completions", timeout=120,
                       json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
                             "temperature": 0, **extra})
-
-
-def wait_until(predicate, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError("condition not reached in time")
 
 
 def idle(url: str) -> bool:
