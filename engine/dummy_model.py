@@ -29,6 +29,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from engine.tiny_model import (
     SPECIAL_TOKENS,
     TinyModelShape,
+    architecture_config,
     default_cache_dir,
     write_tokenizer_files,
 )
@@ -40,22 +41,7 @@ EOS_TOKEN_ID = 256 + SPECIAL_TOKENS.index("<|im_end|>")
 
 
 def _tiny_preset() -> dict[str, Any]:
-    shape = TinyModelShape()
-    return {
-        "model_type": "llama",
-        "hidden_size": shape.hidden_size,
-        "num_hidden_layers": shape.num_hidden_layers,
-        "num_attention_heads": shape.num_attention_heads,
-        "num_key_value_heads": shape.num_key_value_heads,
-        "head_dim": shape.hidden_size // shape.num_attention_heads,
-        "intermediate_size": shape.intermediate_size,
-        "vocab_size": BYTE_VOCAB,
-        "max_position_embeddings": shape.max_position_embeddings,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-    }
+    return architecture_config(TinyModelShape(), BYTE_VOCAB)
 
 
 PRESETS: dict[str, dict[str, Any]] = {

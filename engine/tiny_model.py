@@ -14,6 +14,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -139,7 +140,8 @@ def write_tokenizer_files(directory: Path, *, model_max_length: int) -> None:
     )
 
 
-def _config(shape: TinyModelShape, vocab_size: int) -> dict[str, object]:
+def architecture_config(shape: TinyModelShape, vocab_size: int) -> dict[str, Any]:
+    """The Llama config.json fields that define the model's shape."""
     return {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
@@ -155,6 +157,12 @@ def _config(shape: TinyModelShape, vocab_size: int) -> dict[str, object]:
         "rope_theta": 10000.0,
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
+    }
+
+
+def _config(shape: TinyModelShape, vocab_size: int) -> dict[str, Any]:
+    return {
+        **architecture_config(shape, vocab_size),
         "bos_token_id": None,
         "eos_token_id": 256 + SPECIAL_TOKENS.index("<|im_end|>"),
         "mlx_headroom": {"builder": "tiny_model", "version": BUILD_VERSION, **asdict(shape)},
