@@ -142,31 +142,19 @@ CHUNKS = [(64, 0), (256, 0), (128, 256)]
 def test_estimate_bounds_measured_mlx_peak(name: str) -> None:
     mx = pytest.importorskip("mlx.core")
     from mlx_lm.models import llama
-    from mlx_lm.models.cache import make_prompt_cache
+
+    from bench.estimate_vs_measured import measure_chunk
 
     model = llama.Model(llama.ModelArgs(model_type="llama", rms_norm_eps=1e-5, **SMALL_MODELS[name]))
     mx.eval(model.parameters())
     geometry = geometry_from_model(model)
     assert geometry.dtype_bytes == 4 and geometry.num_layers == SMALL_MODELS[name]["num_hidden_layers"]
     for chunk, context in CHUNKS:
-        cache = make_prompt_cache(model)
-        tokens = mx.random.randint(0, geometry.vocab_size, (1, context + chunk))
-        mx.eval(tokens)
-        if context:
-            model(tokens[:, :context], cache=cache)
-            mx.eval([c.state for c in cache])
-        mx.clear_cache()
-        before = mx.get_active_memory()
-        mx.reset_peak_memory()
-        model(tokens[:, context:], cache=cache)
-        mx.eval([c.state for c in cache])
-        measured = mx.get_peak_memory() - before
+        measured = measure_chunk(model, chunk=chunk, context=context)
         estimate = estimate_prefill(geometry, chunk_tokens=chunk, context_tokens=context).total_bytes
         assert measured > 0
         assert estimate >= measured, (name, chunk, context, estimate, measured)
         assert estimate <= MAX_RATIO * measured, (name, chunk, context, estimate, measured)
-        del cache
-        mx.clear_cache()
 
 
 def test_geometry_from_model_reads_args_and_parameter_dtype() -> None:
