@@ -106,12 +106,10 @@ class EngineCore:
         self.stats = EngineStats()
         self._counters = dict(
             steps=0, decode_steps=0, prefill_chunks=0, batched_steps=0,
-            generated_tokens=0, prompt_tokens=0,
+            generated_tokens=0, prompt_tokens=0, preemptions=0, oom_recoveries=0,
         )
         self._stop = False
         self._outputs: list[RequestOutput] = []
-        self.oom_recoveries = 0
-        self.preemptions = 0
         self._prefilling_now: Sequence | None = None
 
     # ---- called from other threads ------------------------------------------------
@@ -319,7 +317,7 @@ class EngineCore:
         seq.wait_since = None
         seq.status = RequestStatus.WAITING
         self.waiting.appendleft(seq)  # older than anything still waiting
-        self.preemptions += 1
+        self._counters["preemptions"] += 1
         mx.clear_cache()
         log.info("preempted request %s to let %s prefill", seq.request_id, head.request_id)
         return True
@@ -391,7 +389,7 @@ class EngineCore:
         if "out of memory" not in str(exc).lower():
             raise exc
         log.error("device out of memory; refusing %d request(s)", len(victims))
-        self.oom_recoveries += 1
+        self._counters["oom_recoveries"] += 1
         error = InsufficientMemoryError(
             "The device ran out of memory during this request although admission allowed "
             "it; it was stopped to keep the server up. Retry, or lower the memory tier.",
@@ -458,8 +456,8 @@ class EngineCore:
             batched_steps=c["batched_steps"],
             generated_tokens=c["generated_tokens"],
             prompt_tokens=c["prompt_tokens"],
-            preemptions=self.preemptions,
-            oom_recoveries=self.oom_recoveries,
+            preemptions=c["preemptions"],
+            oom_recoveries=c["oom_recoveries"],
             admission_checks=self.admission.checks,
             admission_s=round(self.admission.check_seconds, 6),
         )
