@@ -102,3 +102,56 @@ def test_concurrent_checks_and_reconfiguration() -> None:
     assert not errors
     assert sum(g.counts().values()) == 2000
     assert len(g.recent_decisions()) == 100
+
+
+# ---- a failing probe: the last good reading for a while, then "unavailable" -------------
+
+from memory import ProbeUnavailableError  # noqa: E402
+
+
+class FlakyProbe(FixedProbe):
+    def __init__(self) -> None:
+        super().__init__(PROBE_SNAP)
+        self.error: Exception | None = None
+
+    def read(self):  # type: ignore[no-untyped-def]
+        if self.error is not None:
+            raise self.error
+        return super().read()
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_failing_probe_is_answered_by_the_last_good_reading_then_refused() -> None:
+    probe, clock = FlakyProbe(), Clock()
+    g = MemoryGuard(probe, probe_grace_s=5.0, clock=clock)  # type: ignore[arg-type]
+    q = AdmissionQuery(predicted_bytes=1 * GiB)
+    assert g.check(q).outcome is Outcome.ADMIT and g.probe_status() == "ok"
+    probe.error = OSError("host_statistics64 failed: -307")
+    clock.now = 4.0
+    assert g.check(q).outcome is Outcome.ADMIT  # the reading of t=0 stands in
+    assert g.snapshot() == PROBE_SNAP and g.probe_status() == "stale"
+    clock.now = 6.0
+    with pytest.raises(ProbeUnavailableError) as info:
+        g.check(q)
+    assert info.value.retry_after_s > 0 and "memory probe unavailable" in str(info.value)
+    with pytest.raises(ProbeUnavailableError):
+        g.ceiling()
+    assert g.probe_status() == "unavailable"
+    probe.error = None
+    assert g.check(q).outcome is Outcome.ADMIT and g.probe_status() == "ok"
+
+
+def test_a_probe_that_never_answered_is_unavailable_at_once() -> None:
+    probe = FlakyProbe()
+    probe.error = KeyError("max_recommended_working_set_size")  # any exception, not just OSError
+    g = MemoryGuard(probe)  # type: ignore[arg-type]
+    with pytest.raises(ProbeUnavailableError):
+        g.check(AdmissionQuery(predicted_bytes=1))
+    g.configure(enabled=False)  # the user turned admission control off: nothing to protect
+    assert g.check(AdmissionQuery(predicted_bytes=1)).outcome is Outcome.ADMIT
