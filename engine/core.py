@@ -445,6 +445,19 @@ class EngineCore:
             )
         )
 
+    def release(self) -> None:
+        """Drop every MLX object this core holds: the batch, the caches, the model. Call it
+        on the engine thread once the loop has ended, so that the arrays are freed there
+        and not by the garbage collector on whichever thread runs it next (on CUDA, that
+        aborted the process at exit)."""
+        for seq in [*self.waiting, *self.prefilling, *self.batch.seqs]:
+            seq.caches = None
+        self.waiting.clear()
+        self.prefilling.clear()
+        self._prefilling_now = None
+        self.prefix_cache.clear()
+        del self.batch, self.model, self.loaded
+
     def _abort_all(self, why: str) -> None:
         for seq in [*self.waiting, *self.prefilling, *self.batch.seqs]:
             self._finish(seq, RequestStatus.FINISHED_ABORTED)

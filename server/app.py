@@ -55,7 +55,10 @@ def create_app(
     *,
     probe: Probe | None = None,
     load: Callable[[], LoadedModel] | None = None,
+    on_engine_death: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
+    """The app. `on_engine_death` runs on the event loop when the engine thread dies (the
+    CLI stops the server and exits non-zero, so a supervisor restarts it)."""
     settings = settings or Settings()
     guard = make_guard(settings, probe)
     engine = EngineClient(
@@ -64,6 +67,7 @@ def create_app(
         guard=guard,
         config=engine_config(settings),
         max_queue=settings.max_queue,
+        on_death=on_engine_death,
     )
     state = ServerState(settings=settings, engine=engine, guard=guard)
 

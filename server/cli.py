@@ -12,10 +12,23 @@ import uvicorn
 
 from server.settings import Settings
 
+EXIT_ENGINE_DIED = 1
+EXIT_STARTUP_FAILED = 3  # uvicorn's own code for a failed startup
+
 
 class _Server(uvicorn.Server):
     """uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, so the process would
-    die of the signal; a service that drained cleanly should exit 0 instead."""
+    die of the signal; a service that drained cleanly should exit 0 instead. When the
+    engine dies, `fail` stops it with a non-zero code, so that launchd's KeepAlive or
+    systemd's Restart=on-failure starts a fresh process."""
+
+    exit_code = 0
+
+    def fail(self, exc: BaseException) -> None:
+        print(f"mlx-headroom: the engine died ({type(exc).__name__}: {exc}); exiting with "
+              f"status {EXIT_ENGINE_DIED}", file=sys.stderr)
+        self.exit_code = EXIT_ENGINE_DIED
+        self.should_exit = True
 
     @contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -88,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(settings.log_level)
     from server.app import create_app
 
-    app = create_app(settings)
+    servers: list[_Server] = []
+    app = create_app(settings, on_engine_death=lambda exc: servers[0].fail(exc))
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -98,8 +112,15 @@ def main(argv: list[str] | None = None) -> int:
         access_log=False,
         log_config=None,
     )
-    _Server(config).run()
-    return 0
+    server = _Server(config)
+    servers.append(server)
+    server.run()
+    if not server.started:
+        return EXIT_STARTUP_FAILED
+    if server.exit_code == 0 and not app.state.server.engine.stopped_cleanly:
+        print("mlx-headroom: the engine did not stop cleanly", file=sys.stderr)
+        return EXIT_ENGINE_DIED
+    return server.exit_code
 
 
 if __name__ == "__main__":
