@@ -126,7 +126,16 @@ class EngineClient:
 
     def _release_mlx(self) -> None:
         """On the engine thread, after its loop: free the model, the caches and the batch
-        here, collect what referenced them, and wait for the device to finish."""
+        here, collect what referenced them, wait for the device, then drop this thread's
+        MLX streams and random state (`mx.clear_streams`).
+
+        The last step is what keeps exit clean: MLX keeps each thread's random key in a
+        C++ thread-local whose destructor takes the GIL. Python's `join()` returns before
+        a thread's thread-locals are destroyed, so that destructor could run while the
+        main thread was already finalizing the interpreter; taking the GIL then ends the
+        thread with pthread_exit inside a noexcept destructor, and the process aborted
+        with "terminate called without an active exception" (exit 134). Seen on CUDA and,
+        1 run in 3, on the CPU."""
         try:
             if self.core is not None:
                 self.core.release()
@@ -134,6 +143,7 @@ class EngineClient:
             gc.collect()
             mx.synchronize()
             mx.clear_cache()
+            mx.clear_streams()
         except BaseException:
             log.exception("releasing MLX state on the engine thread failed")
 
