@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -72,25 +73,55 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-prompts", action="store_true", default=None,
                        help="put prompt and completion text in the access log")
     serve.add_argument("--log-level")
+    serve.add_argument("--env-file", help="read MLX_HEADROOM_* settings (e.g. keys) from this file "
+                       "instead of ./.env (what `service install` writes, mode 0600)")
     sub.add_parser("build-default-model", help="build the embedded default model and print its path")
+    sub.add_parser("service", add_help=False,
+                   help="run under launchd/systemd: install | uninstall | status | logs "
+                   "(`mlx-headroom service --help`)")
     return parser
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     overrides: dict[str, Any] = {
-        k: v for k, v in vars(args).items() if k != "command" and v is not None
+        k: v for k, v in vars(args).items() if k not in ("command", "env_file") and v is not None
     }
+    env_file = getattr(args, "env_file", None)
+    if env_file is not None:
+        if not os.path.isfile(env_file):
+            raise ValueError(f"--env-file {env_file}: no such file")
+        return Settings(_env_file=env_file, **overrides)  # type: ignore[call-arg]
     return Settings(**overrides)
 
 
+def _check_serve_flags(argv: list[str]) -> str | None:
+    """For `service install`: the serve flags parse, and the settings they make can start."""
+    from server.auth import startup_problem
+
+    try:
+        args = _parser().parse_args(["serve", *argv])
+    except SystemExit:
+        return "invalid serve flags (see `mlx-headroom serve --help`)"
+    return startup_problem(settings_from_args(args))
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["service"]:
+        from server.service import main as service_main
+
+        return service_main(argv[1:], validate=_check_serve_flags)
     args = _parser().parse_args(argv)
     if args.command == "build-default-model":
         from engine.tiny_model import ensure_default_model
 
         print(ensure_default_model())
         return 0
-    settings = settings_from_args(args)
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        print(f"mlx-headroom: {exc}", file=sys.stderr)
+        return 2
     from server.auth import startup_problem
 
     if (problem := startup_problem(settings)) is not None:
