@@ -109,3 +109,39 @@ def test_a_model_that_cannot_load_exits_non_zero(tmp_path):
     except RuntimeError as exc:
         assert "exited early" in str(exc)
     assert proc.proc is not None and proc.proc.wait(30) == 3
+
+
+# The real CLI again, with the engine thread's C++ thread-local teardown made slow: a
+# 100 ms usleep registered (glibc's __cxa_thread_atexit_impl) after the thread's MLX
+# random key, so it runs first, and 3 million objects for finalization's GC. MLX's random
+# key destructor takes the GIL; if it still holds a key when it runs, the main thread is
+# finalizing by then and the process aborts ("terminate called without an active
+# exception", exit 134: what SIGTERM did on CUDA). Natural timing hit it 1 run in 3 here.
+SLOW_THREAD_EXIT = """
+import ctypes, sys
+import mlx.core as mx
+import engine.core as core
+
+libc = ctypes.CDLL(None)
+libc.__cxa_thread_atexit_impl.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+run_forever = core.EngineCore.run_forever
+
+def slow_exit_run_forever(self):
+    mx.eval(mx.random.uniform(shape=(2,)))  # this thread's random key (sampling makes it too)
+    libc.__cxa_thread_atexit_impl(ctypes.cast(libc.usleep, ctypes.c_void_p), 100000, None)
+    return run_forever(self)
+
+core.EngineCore.run_forever = slow_exit_run_forever
+GARBAGE = [[i] for i in range(3_000_000)]
+from server.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_exits_zero_when_the_engine_threads_exit_is_slow(tiny_model_path, tmp_path):
+    proc = ServerProcess(tiny_model_path, python_args=["-c", SLOW_THREAD_EXIT]).start(tmp_path)
+    r = httpx.post(f"{proc.url}/v1/chat/completions", timeout=60,
+                   json={"model": MODEL, "messages": MESSAGES, "max_tokens": 8, "temperature": 1.0})
+    assert r.status_code == 200, r.text
+    assert proc.stop() == 0, proc.log()
+    assert "terminate called" not in proc.log()
