@@ -26,7 +26,17 @@ from server.state import ServerState
 
 log = logging.getLogger("mlx_headroom.server")
 
-DASHBOARD_DIR = Path(__file__).resolve().parent.parent / "dashboard"
+def dashboard_dir() -> Path | None:
+    """The dashboard's static files: package data in an installed wheel (`server/dashboard/`,
+    see setup.py), else the source tree's top-level `dashboard/`."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "dashboard", here.parent / "dashboard"):
+        if (candidate / "index.html").is_file():
+            return candidate
+    return None
+
+
+DASHBOARD_DIR = dashboard_dir()
 
 
 def make_guard(settings: Settings, probe: Probe | None = None) -> MemoryGuard:
@@ -97,6 +107,6 @@ def create_app(
                            allow_methods=["*"], allow_headers=["*"], expose_headers=["x-request-id"])
     app.add_middleware(AccessLogMiddleware, log_prompts=settings.log_prompts,
                        observe=app.state.metrics.observe)
-    if DASHBOARD_DIR.is_dir():
+    if DASHBOARD_DIR is not None:
         app.mount("/dashboard", StaticFiles(directory=DASHBOARD_DIR, html=True), name="dashboard")
     return app
