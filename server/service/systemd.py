@@ -82,7 +82,9 @@ def _systemctl(ctx: Context, *args: str) -> list[str]:
 def install(ctx: Context, spec: ServiceSpec) -> int:
     p = paths(ctx)
     text = render_unit(spec)
-    commands = [_systemctl(ctx, "daemon-reload"), _systemctl(ctx, "enable", "--now", UNIT)]
+    # restart, not start: a reinstall must replace a running server with the new flags
+    commands = [_systemctl(ctx, "daemon-reload"), _systemctl(ctx, "enable", UNIT),
+                _systemctl(ctx, "restart", UNIT)]
     if ctx.dry_run:
         print_install_plan(spec, p, text, commands)
         return 0

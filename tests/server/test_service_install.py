@@ -1,6 +1,6 @@
 """`mlx-headroom service install | uninstall | status`: the real CLI in a real process.
 
-launchctl and systemctl cannot run here, so the tests put recording stand-ins for them
+launchctl, systemctl and journalctl cannot run here, so the tests put recording stand-ins for them
 first on PATH (they log their arguments and print what the real tool prints for
 `launchctl print` / `systemctl show`). The files are checked for real: the plist with
 plistlib, the unit with `systemd-analyze verify`, and the unit's ExecStart= is run to
@@ -42,7 +42,7 @@ class Env:
         self.bin = tmp_path / "bin"
         self.calls = tmp_path / "calls"
         self.bin.mkdir()
-        for tool in ("launchctl", "systemctl"):
+        for tool in ("launchctl", "systemctl", "journalctl"):
             path = self.bin / tool
             path.write_text(STAND_IN)
             path.chmod(0o755)
@@ -132,6 +132,18 @@ def test_launch_daemon_runs_as_a_user_and_logs_under_library(env, tmp_path):
     assert env.tool_calls()[-1] == f"launchctl bootstrap system {path}"
 
 
+def test_status_and_logs(env):
+    r = env.run("status", "--manager", "launchd")
+    assert r.returncode == 3 and "not installed" in r.stdout
+    log = env.home / "Library/Logs/mlx-headroom/server.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("one\ntwo\nthree\n")
+    r = env.run("logs", "--manager", "launchd", "-n", "2")
+    assert r.returncode == 0 and r.stdout == "two\nthree\n"
+    r = env.run("logs", "--manager", "systemd", "-n", "5")
+    assert r.returncode == 0 and env.tool_calls() == ["journalctl --user -u mlx-headroom.service -n 5"]
+
+
 def test_dry_run_prints_the_file_and_changes_nothing(env, tmp_path):
     for manager in ("launchd", "systemd"):
         r = env.run("install", "--dry-run", "--manager", manager, "--model", "m", "--api-key", SECRET)
@@ -175,7 +187,8 @@ def test_systemd_units_pass_systemd_analyze_verify(env, tmp_path):
     assert stat.S_IMODE((env.home / ".config/mlx-headroom/env").stat().st_mode) == 0o600
     _verify(user_unit, user=True, runtime=runtime)
     assert env.tool_calls() == ["systemctl --user daemon-reload",
-                                "systemctl --user enable --now mlx-headroom.service"]
+                                "systemctl --user enable mlx-headroom.service",
+                                "systemctl --user restart mlx-headroom.service"]
 
     root = tmp_path / "root"
     r = env.run("install", "--manager", "systemd", "--system", "--root", str(root),
