@@ -27,6 +27,7 @@ from .probes import (
     LinuxProbe,
     MacOSProbe,
     Probe,
+    ResilientProbe,
     detect_probe,
 )
 from .snapshot import MemorySnapshot
@@ -51,6 +52,7 @@ __all__ = [
     "Probe",
     "ProbeError",
     "ProbeUnavailableError",
+    "ResilientProbe",
     "Tier",
     "TransientTracker",
     "compute_ceiling",

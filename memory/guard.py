@@ -3,21 +3,15 @@
 It owns a probe and the current policy (enabled, tier, custom ceiling); each ``check``
 reads a fresh snapshot, computes the ceiling, decides, and remembers the decision for the
 dashboard. The lock only guards policy and history: probe reads run outside it.
-
-A probe that fails never takes the engine down with it: the failure is logged, the last
-good snapshot stands in for ``probe_grace_s``, and after that every read raises
-:class:`~memory.errors.ProbeUnavailableError` (admission stops; nothing is admitted
-blind) until the probe answers again.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .ceiling import Ceiling, CeilingConfig, Tier, compute_ceiling
@@ -27,10 +21,6 @@ from .probes.base import Probe
 from .snapshot import MemorySnapshot
 
 DISABLED_REASON = "memory guard disabled"
-PROBE_GRACE_S = 5.0  # how long the last good snapshot may stand in for a failing probe
-PROBE_RETRY_AFTER_S = 5
-
-log = logging.getLogger("mlx_headroom.memory")
 
 
 @dataclass(frozen=True)
@@ -63,17 +53,10 @@ class MemoryGuard:
         custom_ceiling_bytes: int | None = None,
         config: CeilingConfig = CeilingConfig(),  # noqa: B008 (frozen, immutable default)
         history: int = 100,
-        probe_grace_s: float = PROBE_GRACE_S,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if history <= 0:
             raise ValueError("history must be positive")
         self._probe = probe
-        self._probe_grace_s = probe_grace_s
-        self._clock = clock
-        self._last_good: tuple[MemorySnapshot, float] | None = None
-        self._failing_since: float | None = None
-        self._unavailable_logged = False
         self._config = config
         self._lock = threading.Lock()
         self._state = _validated(GuardState(enabled, Tier(tier), custom_ceiling_bytes))
@@ -115,69 +98,24 @@ class MemoryGuard:
             return self._state
 
     def snapshot(self) -> MemorySnapshot:
-        """A fresh reading, or the last good one while the probe fails for less than
-        ``probe_grace_s``; raises :class:`ProbeUnavailableError` after that."""
-        try:
-            snap = self._probe.read()
-        except Exception as exc:  # any probe failure: a syscall, a missing key, a bug
-            return self._fallback(exc)
-        now = self._clock()
-        with self._lock:
-            self._last_good = (snap, now)
-            failing_since, self._failing_since = self._failing_since, None
-            self._unavailable_logged = False
-        if failing_since is not None:
-            log.warning("memory probe recovered after %.1fs", now - failing_since)
-        return snap
+        return self._probe.read()
 
     def probe_status(self) -> str:
-        """``"ok"``, ``"stale"`` (failing, the last good reading stands in) or
-        ``"unavailable"``; for /health and the dashboard. Does not read the probe."""
-        with self._lock:
-            if self._failing_since is None:
-                return "ok"
-            last = self._last_good
-        if last is not None and self._clock() - last[1] <= self._probe_grace_s:
-            return "stale"
-        return "unavailable"
-
-    def _fallback(self, exc: Exception) -> MemorySnapshot:
-        now = self._clock()
-        with self._lock:
-            first = self._failing_since is None
-            if first:
-                self._failing_since = now
-            failing_for = now - (self._failing_since or now)
-            last = self._last_good
-            usable = last is not None and now - last[1] <= self._probe_grace_s
-            log_unavailable = not usable and not self._unavailable_logged
-            if log_unavailable:
-                self._unavailable_logged = True
-        if first:
-            log.warning("memory probe failed (%s: %s); the last good reading stands in for "
-                        "up to %.0fs", type(exc).__name__, exc, self._probe_grace_s)
-        if usable and last is not None:
-            return last[0]
-        if log_unavailable:
-            log.error("memory probe unavailable for %.1fs: refusing new work until it "
-                      "answers (%s: %s)", failing_for, type(exc).__name__, exc)
-        raise ProbeUnavailableError(
-            f"memory probe unavailable: no memory reading for {failing_for:.0f}s "
-            f"({type(exc).__name__}: {exc}); new work waits until it answers again",
-            failing_for_s=failing_for,
-            retry_after_s=PROBE_RETRY_AFTER_S,
-        ) from exc
+        """``"ok"``, ``"stale"`` or ``"unavailable"`` for a
+        :class:`~memory.probes.resilient.ResilientProbe`; other probes raise instead."""
+        status = getattr(self._probe, "status", None)
+        return str(status()) if callable(status) else "ok"
 
     def ceiling(self, snapshot: MemorySnapshot | None = None) -> Ceiling:
         state = self.state()
-        snap = snapshot if snapshot is not None else self.snapshot()
+        snap = snapshot if snapshot is not None else self._probe.read()
         return compute_ceiling(snap, state.tier, self._config, state.ceiling_bytes)
 
     def check(self, query: AdmissionQuery, *, record: bool = True) -> Decision:
         """Snapshot, ceiling, decide, record. Disabled → ADMIT (numbers still filled in).
 
-        Raises :class:`ProbeUnavailableError` when enabled and the probe has failed past
-        its grace period: the caller must not admit.
+        A :class:`ProbeUnavailableError` from the probe passes through when enabled: the
+        caller must not admit.
 
         ``record=False`` leaves the history and counts alone: for the engine's repeated
         questions (a request re-checked every step while it waits, a chunk tried at
@@ -185,11 +123,12 @@ class MemoryGuard:
         """
         state = self.state()
         try:
-            snap = self.snapshot()
+            snap = self._probe.read()
         except ProbeUnavailableError:
             if state.enabled:
-                raise
-            # Disabled: the user asked for no admission control; a blind probe changes nothing.
+                raise  # never admit blind: the engine refuses with "retry later"
+            snap = None
+        if snap is None:  # disabled: the user asked for no admission control
             decision = Decision(
                 outcome=Outcome.ADMIT, reason=DISABLED_REASON, needed_bytes=0, limit_bytes=0,
                 binding="unknown", usage_bytes=0, predicted_bytes=query.predicted_bytes,

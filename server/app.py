@@ -12,7 +12,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.middleware.cors import CORSMiddleware
 
 from engine import EngineClient, EngineConfig, LoadedModel, load_model
-from memory import MemoryGuard, Probe, Tier, detect_probe
+from memory import MemoryGuard, Probe, ResilientProbe, Tier, detect_probe
 from server.access_log import AccessLogMiddleware
 from server.admin_routes import router as admin_router
 from server.auth import AuthMiddleware
@@ -41,11 +41,11 @@ DASHBOARD_DIR = dashboard_dir()
 
 def make_guard(settings: Settings, probe: Probe | None = None) -> MemoryGuard:
     return MemoryGuard(
-        probe or detect_probe(settings.memory_probe),
+        ResilientProbe(probe or detect_probe(settings.memory_probe),
+                       grace_s=settings.memory_probe_grace_s),
         enabled=settings.memory_guard,
         tier=Tier(settings.memory_tier),
         custom_ceiling_bytes=settings.memory_ceiling_bytes,
-        probe_grace_s=settings.memory_probe_grace_s,
     )
 
 
