@@ -446,17 +446,14 @@ class EngineCore:
         )
 
     def release(self) -> None:
-        """Drop every MLX object this core holds: the batch, the caches, the model. Call it
-        on the engine thread once the loop has ended, so that the arrays are freed there
-        and not by the garbage collector on whichever thread runs it next (on CUDA, that
-        aborted the process at exit)."""
-        for seq in [*self.waiting, *self.prefilling, *self.batch.seqs]:
-            seq.caches = None
-        self.waiting.clear()
-        self.prefilling.clear()
-        self._prefilling_now = None
-        self.prefix_cache.clear()
-        del self.batch, self.model, self.loaded
+        """Drop everything this core holds but its last stats: the model, the batch, every
+        cache, the queues. Call it on the engine thread once the loop has ended, so the
+        arrays are freed there (the caller then collects garbage and synchronizes). It
+        drops attributes wholesale rather than by name, so whatever holds MLX state next
+        (a KV store, a runner) goes too."""
+        keep = {"stats", "config", "inbox", "_stop"}
+        for name in [n for n in vars(self) if n not in keep]:
+            delattr(self, name)
 
     def _abort_all(self, why: str) -> None:
         for seq in [*self.waiting, *self.prefilling, *self.batch.seqs]:
