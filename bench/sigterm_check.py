@@ -9,7 +9,7 @@ engine's teardown. Exit status 0 when the server exited 0 and every request fini
     python bench/sigterm_check.py
     # on the H200 (after the device README's two install calls)
     python3 bench/sigterm_check.py --model llama3-8b --load-format dummy \
-        --concurrency 8 --max-tokens 256 --out $OUT/sigterm.json
+        --concurrency 8 --max-tokens 256 --repeat 3 --out $OUT/sigterm.json
 
 On CUDA before the fix the process printed "Finished server process", then "terminate
 called without an active exception", and exited 134. PYTHONFAULTHANDLER is set, so an
@@ -128,12 +128,29 @@ def main() -> int:
     parser.add_argument("--startup-timeout-s", type=float, default=420.0)
     parser.add_argument("--first-token-timeout-s", type=float, default=120.0)
     parser.add_argument("--exit-timeout-s", type=float, default=180.0)
-    parser.add_argument("--out", type=Path, help="write the report here as JSON (and the log beside it)")
+    parser.add_argument("--out", type=Path, help="write the report here as JSON (the logs beside it)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="start, load, SIGTERM this many times (the abort was intermittent)")
     args = parser.parse_args()
 
     log_dir = args.out.parent if args.out else Path(tempfile.mkdtemp(prefix="sigterm-check-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / "sigterm-server.log"
+    reports = [_once(args, log_dir / f"sigterm-server-{i}.log") for i in range(1, args.repeat + 1)]
+    summary = {
+        "ok": all(r["ok"] for r in reports),
+        "runs": len(reports),
+        "exit_codes": [r["exit_code"] for r in reports],
+        "aborted": sum(1 for r in reports if r["log_terminate_called"]),
+        "runs_detail": reports,
+    }
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0 if summary["ok"] else 1
+
+
+def _once(args: argparse.Namespace, log_path: Path) -> dict[str, Any]:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     proc = _start(args, port, log_path)
@@ -158,13 +175,9 @@ def main() -> int:
                    for r in report["requests"])
     report["all_requests_finished"] = finished
     report["ok"] = report["exit_code"] == 0 and finished and report["in_flight_at_sigterm"] > 0
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
     if not report["ok"]:
         print(log[-4000:], file=sys.stderr)
-    return 0 if report["ok"] else 1
+    return report
 
 
 if __name__ == "__main__":
