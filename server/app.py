@@ -17,6 +17,7 @@ from server.access_log import AccessLogMiddleware
 from server.admin_routes import router as admin_router
 from server.auth import AuthMiddleware
 from server.errors import install_error_handlers
+from server.host_guard import HostGuardMiddleware, HostPolicy
 from server.limits import BodyLimitMiddleware
 from server.metrics import Metrics
 from server.metrics import router as metrics_router
@@ -83,13 +84,17 @@ def create_app(
     app.include_router(admin_router)
     app.include_router(metrics_router)
     app.state.metrics = Metrics(state)
-    # Outermost last: the access log sees every answer, CORS answers preflights before
-    # auth, and auth refuses before a body is read.
+    # Outermost last: the access log sees every answer, the host guard refuses foreign
+    # Hosts and Origins before anything else, CORS answers preflights before auth, and auth
+    # refuses before a body is read.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(AuthMiddleware, api_key=settings.api_key, admin_key=settings.admin_key)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins,
                            allow_methods=["*"], allow_headers=["*"], expose_headers=["x-request-id"])
+    app.add_middleware(HostGuardMiddleware, policy=HostPolicy.build(
+        bind_host=settings.host, allowed_hosts=settings.allowed_hosts,
+        cors_origins=settings.cors_origins))
     app.add_middleware(AccessLogMiddleware, log_prompts=settings.log_prompts,
                        observe=app.state.metrics.observe)
     if DASHBOARD_DIR.is_dir():
