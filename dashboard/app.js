@@ -282,8 +282,12 @@ function drawChart() {
   const left = Math.max(...[0, 1, 2, 3, 4].map((i) => ctx.measureText(axisLabel(i * step)).width)) + 10;
   const right = 8, topPad = 14, bottom = 20;
   const pw = w - left - right, ph = h - topPad - bottom;
-  const tEnd = hist.at[n - 1], tStart = tEnd - WINDOW_S;
-  const x = (t) => left + pw * (t - tStart) / WINDOW_S;
+  // The span grows with the history up to 15 minutes, so a young server's chart is not a sliver.
+  const tEnd = hist.at[n - 1];
+  const span = Math.min(WINDOW_S, Math.max(60, Math.ceil((tEnd - hist.at[0]) / 60) * 60));
+  const tStart = tEnd - span;
+  const x = (t) => left + pw * (t - tStart) / span;
+  $("chart-title").textContent = `Last ${span / 60} minute${span > 60 ? "s" : ""}`;
   const y = (b) => topPad + ph - ph * Math.min(b, yMax) / yMax;
 
   // warning and critical zones against the current ceiling
@@ -307,9 +311,12 @@ function drawChart() {
   ctx.textAlign = "center";
   ctx.textBaseline = "top";
   for (let k = 3; k >= 0; k--) {
-    const t = tEnd - k * 300;
+    const ago = k * span / 3;
+    const t = tEnd - ago;
+    const agoText = ago >= 120 ? `−${+(ago / 60).toFixed(1)} min` : `−${Math.round(ago)} s`;
     ctx.beginPath(); ctx.moveTo(x(t) + 0.5, topPad); ctx.lineTo(x(t) + 0.5, topPad + ph); ctx.stroke();
-    const label = !k ? "now" : pw < 480 ? `−${k * 5} min` : `${fmtClock(t)} (−${k * 5} min)`;
+    const clock = span < 300 ? fmtTime(t) : fmtClock(t);
+    const label = !k ? "now" : pw < 480 ? agoText : `${clock} (${agoText})`;
     ctx.textAlign = k === 3 ? "left" : k === 0 ? "right" : "center";
     ctx.fillText(label, k === 3 ? Math.max(x(t), left) : x(t), topPad + ph + 5);
   }
