@@ -327,8 +327,9 @@ function drawChart() {
     ctx.lineWidth = width;
     let prevT = null;
     for (let i = 0; i < n; i++) {
-      const gap = prevT !== null && hist.at[i] - prevT > 5;   // a pause in sampling is not a straight line
-      (i === 0 || gap ? ctx.moveTo : ctx.lineTo).call(ctx, x(hist.at[i]), y(values[i]));
+      if (hist.at[i] < tStart || values[i] > yMax) { prevT = null; continue; }   // off the chart: a gap
+      const gap = prevT === null || hist.at[i] - prevT > 5;   // a pause in sampling is not a straight line
+      (gap ? ctx.moveTo : ctx.lineTo).call(ctx, x(hist.at[i]), y(values[i]));
       prevT = hist.at[i];
     }
     ctx.stroke();

@@ -8,6 +8,7 @@ screenshots; otherwise they go to a temporary directory.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -198,13 +199,22 @@ def test_a_refusal_shows_in_the_banner_and_the_counters(open_server, open_tab, s
         expect(counts.locator("dd").first).to_have_text("2")
         expect(counts.locator("dd.bad")).to_have_count(1)
         expect(page.locator("#refusals li .badge.reject")).to_have_count(2)
-        # Admits (one per prefill chunk) do not push the refusals out of their list.
+        # usage just under the ceiling is amber; over it, red
+        expect(page.locator("#usage-pct")).to_have_class(re.compile(r"\bwarn\b"))
+        page.screenshot(path=str(shots / "dashboard-refusal.png"))
+        usage = httpx.get(url + "/v1/memory").json()["usage_bytes"]
+        httpx.put(url + "/v1/memory-guard", json={"ceiling_bytes": usage * 99 // 100})
+        expect(page.locator("#usage-pct")).to_have_class(re.compile(r"\bbad\b"))
+        expect(page.locator("#bar")).to_have_class(re.compile(r"\bbad\b"))
+        # Admits that follow (one per prefill chunk) leave the refusals in their list.
+        reset(url)
+        admits = [d for d in httpx.get(url + "/v1/memory").json()["decisions"] if d["outcome"] == "admit"]
         for _ in range(3):
-            reset(url)
             assert chat(url, "hello").status_code == 200
+        page.wait_for_function(
+            "n => view.memory.decisions.filter(d => d.outcome === 'admit').length >= n", arg=len(admits) + 3)
         expect(page.locator("#refusals li .badge.reject")).to_have_count(2)
         expect(page.locator("#perf")).to_contain_text("tok/s")
-        page.screenshot(path=str(shots / "dashboard-refusal.png"))
     finally:
         reset(url)
     assert tab.errors == []
