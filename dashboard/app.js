@@ -11,13 +11,9 @@ const API = {
 };
 const FAST_MS = 1000;        // normal polling interval
 const SLOW_MS = 5000;        // after an auth failure or when the server is unreachable
-const WINDOW_S = 900;        // the chart's span: the server keeps 15 minutes of 1 Hz samples
-const WARN_FRACTION = 0.85;  // usage + committed at or above this share of the ceiling: warning
 const KEY_STORE = "mlx-headroom.apiKey";
 const ADMIN_STORE = "mlx-headroom.adminKey";
-const GiB = 2 ** 30;
 
-const $ = (id) => document.getElementById(id);
 const view = {
   memory: null,              // the last /v1/memory answer
   guard: null,               // the server's guard state, as last read
@@ -26,34 +22,6 @@ const view = {
   pending: null,             // "custom" chosen, no ceiling applied yet: the server state it began from
   history: { at: [], usage: [], committed: [], ceiling: [] },
 };
-
-// ---------- formatting ----------
-function fmtBytes(n) {
-  if (n === null || n === undefined || !Number.isFinite(n)) return "—";
-  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
-  let v = Math.abs(n), i = 0;
-  while (v >= 1024 && i < units.length - 1) { v /= 1024; i++; }
-  const digits = i === 0 ? 0 : v < 10 ? 2 : v < 100 ? 1 : 0;
-  return (n < 0 ? "-" : "") + v.toFixed(digits) + " " + units[i];
-}
-function fmtSecs(s) {
-  if (s === null || s === undefined || !Number.isFinite(s)) return "—";
-  if (s < 1e-3) return (s * 1e6).toFixed(0) + " µs";
-  if (s < 1) return (s * 1e3).toFixed(s < 0.01 ? 2 : 1) + " ms";
-  return s.toFixed(2) + " s";
-}
-const fmtNum = (n) => (Number.isFinite(n) ? n.toLocaleString() : "—");
-const fmtRate = (n) => (Number.isFinite(n) ? n.toFixed(n < 10 ? 1 : 0) + " tok/s" : "—");
-const fmtTime = (unix) => new Date(unix * 1000).toLocaleTimeString();
-const fmtClock = (unix) => new Date(unix * 1000).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" });
-const gibText = (bytes) => String(+(bytes / GiB).toPrecision(6));
-
-function el(tag, text, cls) {
-  const e = document.createElement(tag);
-  if (text !== undefined) e.textContent = text;
-  if (cls) e.className = cls;
-  return e;
-}
 
 // ---------- keys: kept for the tab (sessionStorage) unless the user asks to remember them ----------
 function storedKey(name) { return sessionStorage.getItem(name) || localStorage.getItem(name) || ""; }
@@ -107,20 +75,7 @@ function showAlert(text) {
   $("alert").textContent = text || "";
 }
 
-function setStats(dl, rows) {
-  dl.replaceChildren(...rows.flatMap(([k, v, cls, title]) => {
-    const dt = el("dt", k);
-    if (title) dt.title = title;
-    return [dt, el("dd", v, cls)];
-  }));
-}
-
 // ---------- memory ----------
-function level(fraction) {
-  if (!Number.isFinite(fraction)) return "";
-  return fraction >= 1 ? "bad" : fraction >= WARN_FRACTION ? "warn" : "ok";
-}
-
 function renderMemory(m) {
   view.memory = m;
   const hard = m.ceiling.hard_bytes, usage = m.usage_bytes, committed = m.committed_bytes;
@@ -227,128 +182,9 @@ function renderDecisions(list) {
   }));
 }
 
-// ---------- history chart ----------
-function addHistory(h) {
-  const hist = view.history;
-  for (let i = 0; i < h.at.length; i++) {
-    if (hist.at.length && h.at[i] <= hist.at[hist.at.length - 1]) continue;
-    hist.at.push(h.at[i]);
-    hist.usage.push(h.usage_bytes[i]);
-    hist.committed.push(h.usage_bytes[i] + h.committed_bytes[i]);
-    hist.ceiling.push(h.ceiling_bytes[i]);
-  }
-  const cut = hist.at.findIndex((t) => t >= hist.at[hist.at.length - 1] - WINDOW_S);
-  if (cut > 0) for (const k of Object.keys(hist)) hist[k].splice(0, cut);
-}
-
-function niceStep(max, ticks) {
-  // A round step in the unit the axis top is written in, so the labels read 0.5, 1.0, 1.5 MiB.
-  const unit = [1024 ** 4, 1024 ** 3, 1024 ** 2, 1024, 1].find((u) => u <= max) || 1;
-  const raw = max / ticks / unit;
-  const nice = [0.05, 0.1, 0.2, 0.25, 0.5, 1, 2, 2.5, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000];
-  return (nice.find((m) => m >= raw) || 1000) * unit;
-}
-
-// Time runs left to right over the last 15 minutes; memory from 0 up. The y-axis fits the data,
-// so a small process stays visible; the ceiling is drawn when it is in range, and named otherwise.
-function drawChart() {
-  const canvas = $("chart");
-  const dpr = window.devicePixelRatio || 1;
-  const w = canvas.clientWidth, h = canvas.clientHeight;
-  if (!w || !h) return;
-  if (canvas.width !== Math.round(w * dpr) || canvas.height !== Math.round(h * dpr)) {
-    canvas.width = Math.round(w * dpr); canvas.height = Math.round(h * dpr);
-  }
-  const ctx = canvas.getContext("2d");
-  ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-  ctx.clearRect(0, 0, w, h);
-  const css = getComputedStyle(document.documentElement);
-  const color = (name) => css.getPropertyValue(name).trim();
-  const hist = view.history;
-  const n = hist.at.length;
-  ctx.font = "11px system-ui, sans-serif";
-  ctx.fillStyle = color("--muted");
-  if (!n) { ctx.fillText("waiting for samples…", 10, h / 2); return; }
-
-  const peak = Math.max(...hist.committed, ...hist.usage, 1);
-  const hard = hist.ceiling[n - 1];
-  const ceilingShown = hard <= peak * 1.6;
-  const top = (ceilingShown ? Math.max(hard, peak) : peak) * 1.15;
-  const step = niceStep(top, 4);
-  const yMax = Math.ceil(top / step) * step;
-  const unitIndex = Math.max(0, Math.min(4, Math.floor(Math.log(Math.max(top, 1)) / Math.log(1024))));
-  const unitName = ["B", "KiB", "MiB", "GiB", "TiB"][unitIndex];
-  const axisLabel = (v) => (v ? +(v / 1024 ** unitIndex).toFixed(2) + " " + unitName : "0");
-  const left = Math.max(...[0, 1, 2, 3, 4].map((i) => ctx.measureText(axisLabel(i * step)).width)) + 10;
-  const right = 8, topPad = 14, bottom = 20;
-  const pw = w - left - right, ph = h - topPad - bottom;
-  // The span grows with the history up to 15 minutes, so a young server's chart is not a sliver.
-  const tEnd = hist.at[n - 1];
-  const span = Math.min(WINDOW_S, Math.max(60, Math.ceil((tEnd - hist.at[0]) / 60) * 60));
-  const tStart = tEnd - span;
-  const x = (t) => left + pw * (t - tStart) / span;
-  $("chart-title").textContent = `Last ${span / 60} minute${span > 60 ? "s" : ""}`;
-  const y = (b) => topPad + ph - ph * Math.min(b, yMax) / yMax;
-
-  // warning and critical zones against the current ceiling
-  if (ceilingShown) {
-    ctx.fillStyle = color("--warn-zone");
-    ctx.fillRect(left, y(hard), pw, y(hard * WARN_FRACTION) - y(hard));
-    ctx.fillStyle = color("--bad-zone");
-    ctx.fillRect(left, topPad, pw, y(hard) - topPad);
-  }
-  // axes and grid
-  ctx.strokeStyle = color("--line");
-  ctx.lineWidth = 1;
-  ctx.setLineDash([]);
-  ctx.fillStyle = color("--muted");
-  ctx.textAlign = "right";
-  ctx.textBaseline = "middle";
-  for (let v = 0; v <= yMax + 1; v += step) {
-    ctx.beginPath(); ctx.moveTo(left, y(v) + 0.5); ctx.lineTo(left + pw, y(v) + 0.5); ctx.stroke();
-    ctx.fillText(axisLabel(v), left - 5, y(v));
-  }
-  ctx.textAlign = "center";
-  ctx.textBaseline = "top";
-  for (let k = 3; k >= 0; k--) {
-    const ago = k * span / 3;
-    const t = tEnd - ago;
-    const agoText = ago >= 120 ? `−${+(ago / 60).toFixed(1)} min` : `−${Math.round(ago)} s`;
-    ctx.beginPath(); ctx.moveTo(x(t) + 0.5, topPad); ctx.lineTo(x(t) + 0.5, topPad + ph); ctx.stroke();
-    const clock = span < 300 ? fmtTime(t) : fmtClock(t);
-    const label = !k ? "now" : pw < 480 ? agoText : `${clock} (${agoText})`;
-    ctx.textAlign = k === 3 ? "left" : k === 0 ? "right" : "center";
-    ctx.fillText(label, k === 3 ? Math.max(x(t), left) : x(t), topPad + ph + 5);
-  }
-  const line = (values, colorName, dash, width = 2) => {
-    ctx.beginPath();
-    ctx.setLineDash(dash);
-    ctx.strokeStyle = color(colorName);
-    ctx.lineWidth = width;
-    let prevT = null;
-    for (let i = 0; i < n; i++) {
-      if (hist.at[i] < tStart || values[i] > yMax) { prevT = null; continue; }   // off the chart: a gap
-      const gap = prevT === null || hist.at[i] - prevT > 5;   // a pause in sampling is not a straight line
-      (gap ? ctx.moveTo : ctx.lineTo).call(ctx, x(hist.at[i]), y(values[i]));
-      prevT = hist.at[i];
-    }
-    ctx.stroke();
-  };
-  if (ceilingShown) line(hist.ceiling, "--bad", [6, 4], 1.5);
-  line(hist.committed, "--committed", [4, 3]);
-  line(hist.usage, "--prefix", []);
-  ctx.setLineDash([]);
-  ctx.textAlign = "right";
-  ctx.textBaseline = "top";
-  ctx.fillStyle = color("--muted");
-  ctx.fillText(ceilingShown ? `ceiling ${fmtBytes(hard)}` : `ceiling ${fmtBytes(hard)} is above the scale ↑`,
-    left + pw - 2, 1);
-}
-
-// ---------- stats: refusals, throughput, prediction ----------
 function renderStats(s) {
-  addHistory(s.history);
-  drawChart();
+  addHistory(view.history, s.history);
+  drawChart(view.history);
   const r = s.refusals;
   const hot = (n) => (n > 0 ? "bad" : "");
   setStats($("refusal-counts"), [
@@ -415,108 +251,6 @@ function renderChunks(c) {
     (under ? `${under} went over it.` : "none went over it.");
 }
 
-// ---------- guard ----------
-function guardText(g) {
-  const m = view.memory;
-  const hard = m ? ` (${fmtBytes(m.ceiling.hard_bytes)} now, ${m.ceiling.binding})` : "";
-  const ceiling = g.tier === "custom" ? `custom ceiling ${fmtBytes(g.ceiling_bytes)}` : `tier ${g.tier}${hard}`;
-  return g.enabled ? `Server state: on · ${ceiling}`
-    : `Server state: off · nothing is refused · ${ceiling} is not enforced`;
-}
-
-function syncControls() {
-  const known = view.guardKnown && !view.busy;
-  const custom = $("g-tier").value === "custom";
-  $("g-enabled").disabled = !known;
-  $("g-tier").disabled = !known;
-  $("g-ceiling").disabled = !known || !custom;
-  $("g-apply").disabled = !known || !custom;
-}
-
-function renderGuard(g) {
-  view.guard = g;
-  view.guardKnown = true;
-  $("guard-state").textContent = guardText(g);
-  if (view.pending !== null && view.pending !== JSON.stringify(g)) {
-    view.pending = null;   // the server changed under an unsaved choice: follow the server
-    $("guard-note").textContent = "The server's guard changed; your unapplied choice was dropped.";
-  }
-  if (!view.busy) {
-    $("g-enabled").checked = g.enabled;
-    if (view.pending === null) {
-      $("g-tier").value = g.tier;
-      if (document.activeElement !== $("g-ceiling")) {
-        $("g-ceiling").value = g.ceiling_bytes ? gibText(g.ceiling_bytes) : "";
-      }
-    }
-  }
-  const total = view.memory && view.memory.system.total_bytes;
-  const warn = $("guard-warn");
-  warn.hidden = !(g.tier === "custom" && total && g.ceiling_bytes > total);
-  warn.textContent = warn.hidden ? "" : `The custom ceiling ${fmtBytes(g.ceiling_bytes)} is above this ` +
-    `machine's ${fmtBytes(total)} of memory: the guard cannot refuse anything below the device's own limit.`;
-  syncControls();
-}
-
-function guardUnknown(reason) {
-  view.guardKnown = false;
-  $("guard-state").textContent = `Server state unknown: ${reason}`;
-  syncControls();
-}
-
-async function putGuard(change) {
-  const err = $("guard-error");
-  err.hidden = true;
-  view.busy = true;
-  syncControls();
-  try {
-    const g = await api(API.guard, { method: "PUT", body: change, admin: true });
-    view.pending = null;
-    view.busy = false;
-    renderGuard(g);
-    $("guard-note").textContent = "Saved at " + new Date().toLocaleTimeString() + ".";
-  } catch (e) {
-    err.textContent = authMessage(e, true) || e.message;
-    err.hidden = false;
-    view.pending = null;
-    view.busy = false;
-    if (view.guard) renderGuard(view.guard);   // back to what the server has
-  }
-}
-
-function ceilingFromInput() {
-  const gib = Number($("g-ceiling").value.trim());
-  return Number.isFinite(gib) && gib > 0 ? Math.max(Math.round(gib * GiB), 1) : null;
-}
-
-function wireGuard() {
-  $("g-enabled").addEventListener("change", (ev) => putGuard({ enabled: ev.target.checked }));
-  $("g-tier").addEventListener("change", (ev) => {
-    $("guard-error").hidden = true;
-    syncControls();
-    if (ev.target.value !== "custom") {
-      view.pending = null;
-      return putGuard({ tier: ev.target.value });
-    }
-    const bytes = ceilingFromInput();
-    if (bytes) return putGuard({ tier: "custom", ceiling_bytes: bytes });
-    view.pending = JSON.stringify(view.guard);
-    $("guard-note").textContent = `Enter a ceiling in GiB, then Apply; the server stays on tier ${view.guard.tier} until then.`;
-    $("g-ceiling").focus();
-  });
-  $("guard-form").addEventListener("submit", (ev) => {
-    ev.preventDefault();
-    const bytes = ceilingFromInput();
-    if (!bytes) {
-      $("guard-error").textContent = "The ceiling must be a positive number of GiB, such as 12 or 0.5.";
-      $("guard-error").hidden = false;
-      return;
-    }
-    putGuard({ tier: "custom", ceiling_bytes: bytes });
-  });
-}
-
-// ---------- header ----------
 async function loadHeader() {
   try {
     const v = await api(API.version);
@@ -588,4 +322,4 @@ wireKeys();
 wireGuard();
 syncControls();
 poll();
-window.addEventListener("resize", drawChart);
+window.addEventListener("resize", () => drawChart(view.history));

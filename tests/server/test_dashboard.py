@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "dashboard"
-JS = (DASHBOARD / "app.js").read_text()
+JS = "\n".join((DASHBOARD / f).read_text() for f in ("util.js", "chart.js", "guard.js", "app.js"))
 CSS = (DASHBOARD / "style.css").read_text()
 MODEL = "mlx-headroom/tiny-chat"
 
@@ -70,7 +70,7 @@ def test_no_external_urls_in_dashboard_files(path):
 
 def test_every_referenced_asset_is_local_and_served(server):
     refs = parse_index().refs
-    assert sorted(refs) == ["app.js", "favicon.svg", "style.css"]
+    assert sorted(refs) == ["app.js", "chart.js", "favicon.svg", "guard.js", "style.css", "util.js"]
     base = f"{server.url}/dashboard/"
     for ref in refs:
         assert not ref.startswith(("/", "http:", "https:", "data:")), ref
