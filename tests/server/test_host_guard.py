@@ -48,6 +48,15 @@ def test_split_host(value, expected):
     assert split_host(value) == expected
 
 
+def test_allowed_hosts_setting_takes_a_list_or_commas(monkeypatch):
+    from server.settings import Settings
+
+    monkeypatch.setenv("MLX_HEADROOM_ALLOWED_HOSTS", "myhost.lan, proxy.example")
+    assert Settings().allowed_hosts == ["myhost.lan", "proxy.example"]
+    monkeypatch.setenv("MLX_HEADROOM_ALLOWED_HOSTS", '["*"]')
+    assert Settings().allowed_hosts == ["*"]
+
+
 def test_policy_table():
     p = HostPolicy.build(bind_host="0.0.0.0", allowed_hosts=["myhost.lan"], cors_origins=[])
     assert all(p.host_allowed(h) for h in ("localhost", "127.0.0.1:9", "[::1]", "0.0.0.0", "MYHOST.LAN"))
@@ -140,6 +149,7 @@ def test_simple_cross_site_bodies_are_not_json(guarded, content_type, content):
 
 
 def test_no_cors_unless_configured(server):
+    before = guard_state(server.url)
     for method in ("GET", "OPTIONS"):
         r = httpx.request(method, server.url + "/v1/models", headers={
             "Origin": "http://evil.example", "Access-Control-Request-Method": "PUT"})
@@ -147,4 +157,4 @@ def test_no_cors_unless_configured(server):
     r = httpx.put(server.url + "/v1/memory-guard", json={"enabled": False},
                   headers={"Origin": "http://evil.example"})
     assert_forbidden(r, "origin_not_allowed", "cors_origins")
-    assert guard_state(server.url)["enabled"] is True
+    assert guard_state(server.url) == before
