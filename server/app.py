@@ -98,6 +98,7 @@ def create_app(
     def observe(record: dict[str, Any], scope: dict[str, Any]) -> None:
         metrics.observe(record, scope)
         latency.observe(record)
+
     # Outermost last: the access log sees every answer, the host guard refuses foreign
     # Hosts and Origins before anything else, CORS answers preflights before auth, and auth
     # refuses before a body is read.
