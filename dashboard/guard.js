@@ -10,6 +10,7 @@ function guardText(g) {
 }
 
 function syncControls() {
+  $("guard-form").hidden = !view.guardKnown;   // no form showing a state nobody has read
   const known = view.guardKnown && !view.busy;
   const custom = $("g-tier").value === "custom";
   $("g-enabled").disabled = !known;

@@ -261,9 +261,11 @@ def test_auth_with_and_without_keys(keyed_server, open_tab):
     # No key: the page says so, shows no made-up guard state and offers no controls.
     expect(page.locator("#alert")).to_contain_text("401")
     expect(page.locator("#guard-state")).to_contain_text("unknown")
+    expect(page.locator("#guard-form")).to_be_hidden()
     for control in ("#g-enabled", "#g-tier", "#g-ceiling", "#g-apply"):
         expect(page.locator(control)).to_be_disabled()
     expect(page.locator("#usage")).to_have_text("—")
+    expect(page.locator("#refusals")).to_have_text("—")
 
     # The admin key alone reads too, and the old 401 goes away.
     page.fill("#admin-key", ADMIN)
@@ -300,5 +302,6 @@ def test_auth_with_and_without_keys(keyed_server, open_tab):
     page.click("#key-form button[type=submit]")
     expect(page.locator("#alert")).to_contain_text("401")
     expect(page.locator("#g-apply")).to_be_disabled()
+    expect(page.locator("#guard-form")).to_be_hidden()
     # The only console errors are the browser's own notes of the refused requests.
     assert tab.errors and all("status of 401" in e or "status of 403" in e for e in tab.errors), tab.errors
