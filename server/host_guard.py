@@ -68,6 +68,7 @@ class HostPolicy:
     """The names this server answers to, and the origins allowed to change things."""
 
     names: frozenset[str]
+    proxied_names: frozenset[str]  # the --allowed-host names: a page there is ours, any port
     any_host: bool
     cors_origins: frozenset[str]
     any_origin: bool
@@ -77,8 +78,9 @@ class HostPolicy:
               cors_origins: Iterable[str]) -> HostPolicy:
         allowed = [h.strip() for h in allowed_hosts if h.strip()]
         names = {split_host(h)[0] for h in (*LOOPBACK_NAMES, bind_host, *allowed) if h != ANY}
+        proxied = {split_host(h)[0] for h in allowed if h != ANY}
         origins = {o.strip().rstrip("/").lower() for o in cors_origins if o.strip()}
-        return cls(names=frozenset(names), any_host=ANY in allowed,
+        return cls(names=frozenset(names), proxied_names=frozenset(proxied), any_host=ANY in allowed,
                    cors_origins=frozenset(origins - {ANY}), any_origin=ANY in origins)
 
     def host_allowed(self, host: str | None) -> bool:
@@ -88,14 +90,18 @@ class HostPolicy:
         return split_host(host)[0] in self.names
 
     def origin_allowed(self, origin: str, host: str | None) -> bool:
-        """Same origin as the request (scheme aside, for a TLS proxy) or a CORS origin."""
+        """Same origin as the request (scheme aside, for a TLS proxy), a page on a name
+        given with --allowed-host (a proxy may forward a Host of its own), or a CORS origin.
+        A page on localhost at another port is another application, and is refused."""
         normalized = origin.strip().rstrip("/").lower()
         if self.any_origin or normalized in self.cors_origins:
             return True
         parts = urlsplit(normalized)
-        if parts.scheme not in ("http", "https") or not parts.netloc or host is None:
+        if parts.scheme not in ("http", "https") or not parts.netloc:
             return False  # "null" (sandboxed frames, file://) is nobody's own origin
-        return _with_port(parts.scheme, parts.netloc) == _with_port(parts.scheme, host)
+        if split_host(parts.netloc)[0] in self.proxied_names:
+            return True
+        return host is not None and _with_port(parts.scheme, parts.netloc) == _with_port(parts.scheme, host)
 
 
 def _with_port(scheme: str, netloc: str) -> tuple[str, int]:

@@ -66,6 +66,8 @@ def test_policy_table():
     assert p.origin_allowed("http://localhost:8000", "localhost:8000")
     assert p.origin_allowed("http://localhost", "localhost:80")
     assert p.origin_allowed("https://myhost.lan", "myhost.lan")  # a TLS proxy forwarding Host
+    assert p.origin_allowed("https://myhost.lan", "127.0.0.1:8000")  # a proxy sending its own Host
+    assert not p.origin_allowed("http://evil.lan", "127.0.0.1:8000")
     assert not p.origin_allowed("http://localhost:3000", "localhost:8000")  # another local app
     assert not p.origin_allowed("null", "localhost:8000")
     assert not p.origin_allowed("http://evil.example", "localhost:8000")
