@@ -19,6 +19,7 @@ const view = {
   guard: null,               // the server's guard state, as last read
   guardKnown: false,         // false until a read succeeds: no made-up state, no controls
   busy: false,               // a guard change is in flight
+  guardEpoch: 0,             // bumped by each change: a poll sent before it carries an older state
   pending: null,             // "custom" chosen, no ceiling applied yet: the server state it began from
   history: { at: [], usage: [], committed: [], ceiling: [] },
 };
@@ -76,7 +77,7 @@ function showAlert(text) {
 }
 
 // ---------- memory ----------
-function renderMemory(m) {
+function renderMemory(m, guardFresh = true) {
   view.memory = m;
   const hard = m.ceiling.hard_bytes, usage = m.usage_bytes, committed = m.committed_bytes;
   const enabled = m.guard.enabled;
@@ -126,7 +127,7 @@ function renderMemory(m) {
     ["evictions", fmtNum(p.evictions)]]);
   renderEngine(m.engine || {});
   renderDecisions(m.decisions || []);
-  renderGuard(m.guard);
+  if (guardFresh && !view.busy) renderGuard(m.guard);
 }
 
 const ENGINE_LABELS = {
@@ -278,12 +279,13 @@ async function poll() {
   if (polling) { again = true; return; }
   polling = true;
   const epoch = keyEpoch;
+  const guardEpoch = view.guardEpoch;
   let delay = FAST_MS;
   try {
     const since = lastSample === null ? "" : `?since=${lastSample}`;
     const [m, s] = await Promise.all([api(API.memory), api(API.stats + since)]);
     if (epoch === keyEpoch) {
-      renderMemory(m);
+      renderMemory(m, guardEpoch === view.guardEpoch);
       renderStats(s);
       if (s.history.at.length) lastSample = s.history.at[s.history.at.length - 1];
       showAlert(null);

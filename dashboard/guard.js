@@ -40,7 +40,8 @@ function renderGuard(g) {
   const warn = $("guard-warn");
   warn.hidden = !(g.tier === "custom" && total && g.ceiling_bytes > total);
   warn.textContent = warn.hidden ? "" : `The custom ceiling ${fmtBytes(g.ceiling_bytes)} is above this ` +
-    `machine's ${fmtBytes(total)} of memory: the guard cannot refuse anything below the device's own limit.`;
+    `machine's ${fmtBytes(total)} of memory: the guard will admit work the machine cannot hold ` +
+    "(only the device limit, where there is one, still applies).";
   syncControls();
 }
 
@@ -57,6 +58,7 @@ async function putGuard(change) {
   syncControls();
   try {
     const g = await api(API.guard, { method: "PUT", body: change, admin: true });
+    view.guardEpoch++;
     view.pending = null;
     view.busy = false;
     renderGuard(g);
