@@ -133,6 +133,8 @@ def test_no_reading_at_all_is_503_with_retry_after_and_the_server_recovers(macos
     health = httpx.get(f"{url}/health")
     assert health.status_code == 200 and health.json()["memory_probe"] == "unavailable"
     assert httpx.get(f"{url}/metrics").status_code == 200
+    stats = httpx.get(f"{url}/v1/stats")  # the dashboard's poll: no numbers to show, say why
+    assert stats.status_code == 503 and stats.json()["error"]["code"] == "memory_probe_unavailable"
     fake.fail_rc, fake.fail_rusage, fake.sysctl_vm_counts = None, False, True
     serves(url)
     assert httpx.get(f"{url}/health").json()["memory_probe"] == "ok"
