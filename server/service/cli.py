@@ -12,7 +12,7 @@ from types import ModuleType
 
 from server.service import launchd, systemd
 from server.service.base import Context
-from server.service.spec import ServiceSpec, console_script, split_secrets
+from server.service.spec import ServiceSpec, absolute_paths, console_script, split_secrets
 
 Validate = Callable[[list[str]], str | None]  # serve flags -> a problem, or None
 
@@ -78,7 +78,7 @@ def _install(manager: ModuleType, ctx: Context, args: argparse.Namespace, serve_
     if validate is not None and (problem := validate(serve_argv)) is not None:
         print(f"mlx-headroom service install: {problem}", file=sys.stderr)
         return 2
-    rest, secrets = split_secrets(serve_argv)
+    rest, secrets = split_secrets(absolute_paths(serve_argv))
     paths = manager.paths(ctx)
     run_as = (args.run_as or os.environ.get("SUDO_USER")) if ctx.system else None
     spec = ServiceSpec(

@@ -80,6 +80,31 @@ def split_secrets(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     return rest, secrets
 
 
+PATH_FLAGS = ("--model",)  # values that may be local paths
+
+
+def absolute_paths(argv: Sequence[str], cwd: Path | None = None) -> list[str]:
+    """A service starts in its own directory: make a relative `--model ./dir` that exists
+    here absolute, so it still names the same directory there (hub ids are left alone)."""
+    base = cwd or Path.cwd()
+    out = list(argv)
+    for i, arg in enumerate(out):
+        flag, eq, value = arg.partition("=")
+        if flag not in PATH_FLAGS:
+            continue
+        if not eq:
+            if i + 1 >= len(out):
+                continue
+            value = out[i + 1]
+        if value and not os.path.isabs(value) and (base / value).exists():
+            absolute = str((base / value).resolve())
+            if eq:
+                out[i] = f"{flag}={absolute}"
+            else:
+                out[i + 1] = absolute
+    return out
+
+
 def health_url(serve_args: Sequence[str]) -> str:
     """Where the installed server answers /health, from its serve flags."""
     parser = argparse.ArgumentParser(add_help=False)

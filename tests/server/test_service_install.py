@@ -241,3 +241,14 @@ def test_the_units_command_serves_with_the_key_from_its_env_file(env, tiny_model
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+
+
+def test_a_relative_model_directory_is_made_absolute(tmp_path):
+    from server.service.spec import absolute_paths
+
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    argv = ["--model", "models/tiny", "--port", "1"]
+    assert absolute_paths(argv, tmp_path) == ["--model", str(tmp_path / "models/tiny"), "--port", "1"]
+    assert absolute_paths(["--model=models/tiny"], tmp_path) == [f"--model={tmp_path / 'models/tiny'}"]
+    hub = ["--model", "mlx-community/Qwen3-8B-4bit"]  # not a directory here: a hub id
+    assert absolute_paths(hub, tmp_path) == hub
