@@ -99,6 +99,7 @@ class GrammarCompiler:
     """Compiles grammars for one tokenizer and vocabulary size (the logits' width)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
         self._hf = getattr(tokenizer, "_tokenizer", tokenizer)
         self.vocab_size = vocab_size
         self._eos = list(eos_token_ids)
