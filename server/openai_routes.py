@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -16,7 +17,7 @@ from server.errors import APIError, BadRequest, NotFound
 from server.generation import ChoiceResult, Generation, gather, prepare
 from server.schemas import ChatCompletionRequest, CompletionRequest
 from server.state import ServerState, get_state
-from server.structured import ProcessorFactory, check_logit_bias, response_format_grammar
+from server.structured import ProcessorFactory, Shaping, check_logit_bias, response_format_grammar
 from server.text_stream import TextDelta
 from server.tools import FunctionTool, ToolCall, ToolChoice
 
@@ -66,30 +67,45 @@ def _completion_logprobs(tokenizer: Any, items: list[TokenLogprob], offset: int)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
-async def _tokenize_prompt(state: ServerState, body: CompletionRequest) -> list[int]:
-    if isinstance(body.prompt, list):
-        vocab = state.vocab_size
-        bad = next((t for t in body.prompt if t >= vocab), None)
+async def _tokenize_prompts(state: ServerState, body: CompletionRequest) -> list[list[int]]:
+    prompts = body.prompts
+    vocab = state.vocab_size
+    texts = [p for p in prompts if isinstance(p, str)]
+    state.check_prompt_size(len(prompts), sum(len(t) for t in texts))
+    out: list[list[int]] = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            out.append(list(await asyncio.to_thread(state.tokenizer.encode, prompt)))
+            continue
+        bad = next((t for t in prompt if t >= vocab), None)
         if bad is not None:
-            raise BadRequest(
-                f"token id {bad} is outside the vocabulary (size {vocab})", param="prompt"
-            )
-        return list(body.prompt)
-    state.check_prompt_size(1, len(body.prompt))
-    return list(await asyncio.to_thread(state.tokenizer.encode, body.prompt))
+            where = f" (prompt {i})" if len(prompts) > 1 else ""
+            raise BadRequest(f"token id {bad} is outside the vocabulary (size {vocab}){where}",
+                             param="prompt")
+        out.append(list(prompt))
+    return out
 
 
-def _start(state: ServerState, body: Any, tokens: list[int], logprobs: bool, top: int,
+def _start(state: ServerState, body: Any, tokens: list[int] | list[list[int]], logprobs: bool, top: int,
            new_processor: ProcessorFactory | None = None) -> Generation:
-    prepared = prepare(
-        prompt_tokens=tokens,
-        body=body,
-        context_length=state.context_length,
-        default_max_tokens=state.settings.default_max_tokens,
-        max_tokens_cap=state.settings.max_tokens_cap,
-        logprobs=logprobs,
-        top_logprobs=top,
-        **({"new_processor": new_processor} if new_processor is not None else {}),
+    """Prepare (each prompt checked against the context) and submit the generation."""
+    batch: list[list[int]] = tokens if tokens and isinstance(tokens[0], list) else [tokens]  # type: ignore[list-item]
+    each = [
+        prepare(
+            prompt_tokens=prompt,
+            body=body,
+            context_length=state.context_length,
+            default_max_tokens=state.settings.default_max_tokens,
+            max_tokens_cap=state.settings.max_tokens_cap,
+            logprobs=logprobs,
+            top_logprobs=top,
+            **({"new_processor": new_processor} if new_processor is not None else {}),
+        )
+        for prompt in batch
+    ]
+    prepared = dataclasses.replace(
+        each[0], max_tokens=min(p.max_tokens for p in each),
+        more_prompts=tuple(tuple(p.prompt_tokens) for p in each[1:]),
     )
     return Generation(state.engine, state.tokenizer, prepared,
                       timeout_s=state.settings.request_timeout_s)
@@ -243,12 +259,15 @@ async def chat_completions(
 async def completions(body: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
     state = get_state(request)
     _check_model(state, body.model)
-    tokens = await _tokenize_prompt(state, body)
+    _check_supported(body)
+    check_logit_bias(state, body.logit_bias_pairs())
+    prompts = await _tokenize_prompts(state, body)
     want_logprobs = body.logprobs is not None
-    generation = _start(state, body, tokens, want_logprobs, body.logprobs or 0)
+    shaping = Shaping(None, body.frequency_penalty, body.presence_penalty)
+    generation = _start(state, body, prompts, want_logprobs, body.logprobs or 0, shaping.factory())
     request.state.generation = generation
     tokenizer = state.tokenizer
-    offsets = [0] * body.n
+    offsets = [0] * len(generation.choices)
 
     def payload(choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -290,11 +309,15 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
         await gather(generation, request)
     finally:
         generation.close()
-    prefix = body.prompt if body.echo and isinstance(body.prompt, str) else ""
+    echoes = [p if isinstance(p, str) else tokenizer.decode(p) for p in body.prompts] if body.echo else []
+
+    def prefix(index: int) -> str:
+        return echoes[index // body.n] if echoes else ""
+
     return JSONResponse(payload([
         {
             "index": c.index,
-            "text": prefix + c.text.text,
+            "text": prefix(c.index) + c.text.text,
             "logprobs": logprobs_for(c.index, c.logprobs),
             "finish_reason": c.finish_reason,
         }
@@ -302,19 +325,26 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
     ], generation.usage()))
 
 
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.started_at,
+        "owned_by": "mlx-headroom",
+        "context_length": state.context_length if state.ready else None,
+    }
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(get_state(request))]}
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, request: Request) -> dict[str, Any]:
     state = get_state(request)
-    return {
-        "object": "list",
-        "data": [{
-            "id": state.model_name,
-            "object": "model",
-            "created": state.started_at,
-            "owned_by": "mlx-headroom",
-            "context_length": state.context_length if state.ready else None,
-        }],
-    }
+    _check_model(state, model)
+    return _model_card(state)
 
 
 def _event_stream(

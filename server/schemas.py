@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_STOP_SEQUENCES = 16
 MAX_N = 8
+MAX_BATCH_CHOICES = 64  # prompts in one /v1/completions batch
 
 
 class TextPart(BaseModel):
@@ -205,16 +206,33 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] = Field(min_length=1)
+    # One prompt (text or token ids) or a batch of them, one choice (times n) per prompt.
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
     @field_validator("prompt")
     @classmethod
-    def _check_prompt(cls, value: str | list[int]) -> str | list[int]:
-        if isinstance(value, list) and any(t < 0 for t in value):
-            raise ValueError("token ids must be non-negative")
+    def _check_prompt(cls, value: Any) -> Any:
+        for p in cls._as_batch(value):
+            if len(p) == 0:
+                raise ValueError("a prompt must not be empty")
+            if isinstance(p, list) and any(t < 0 for t in p):
+                raise ValueError("token ids must be non-negative")
+        if len(cls._as_batch(value)) > MAX_BATCH_CHOICES:
+            raise ValueError(f"at most {MAX_BATCH_CHOICES} prompts in one request")
         return value
+
+    @staticmethod
+    def _as_batch(value: Any) -> list[str | list[int]]:
+        if isinstance(value, str) or (value and isinstance(value[0], int)):
+            return [value]
+        return list(value)
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request as a batch (one element when a single prompt)."""
+        return self._as_batch(self.prompt)
 
     @property
     def requested_max_tokens(self) -> int | None:
