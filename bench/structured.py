@@ -2,7 +2,7 @@
 JSON schema, through our server (streaming chat completions, bench.loadgen).
 
     python -m bench.structured                       # the embedded tiny model, CPU
-    python -m bench.structured --load-format dummy --model llama-3-8b --dtype bfloat16 -c 8 -t 256
+    python -m bench.structured --load-format dummy --model llama3-8b --dtype bfloat16 -c 8 -t 256
 
 Three loads, each after a warm-up round of its own (first-use compilation stays out):
 `plain` (no schema), `schema` (every request under a schema whose documents are long
