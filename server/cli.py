@@ -76,6 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-prompts", action="store_true", default=None,
                        help="put prompt and completion text in the access log")
     serve.add_argument("--log-level")
+    serve.add_argument("--responses-store-entries", type=int)
+    serve.add_argument("--responses-store-bytes", type=int)
     serve.add_argument("--env-file", help="read MLX_HEADROOM_* settings (e.g. keys) from this file "
                        "instead of ./.env (what `service install` writes, mode 0600)")
     sub.add_parser("build-default-model", help="build the embedded default model and print its path")
