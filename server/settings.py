@@ -40,6 +40,9 @@ class Settings(BaseSettings):
     memory_ceiling_bytes: int | None = Field(None, gt=0)
     memory_probe: Literal["auto", "macos", "linux", "cuda", "allocator"] = "auto"
     memory_wait_timeout_s: float = Field(30.0, ge=0)
+    memory_probe_grace_s: float = Field(
+        5.0, ge=0, description="how long the last good memory reading stands in for a failing probe"
+    )
     prefix_cache_bytes: int = Field(2 * GiB, ge=0)
     prefix_cache_entries: int = Field(16, ge=0)
 
