@@ -7,7 +7,7 @@ WAIT or REJECT, and why. Nothing here imports FastAPI, the engine or the server,
 """
 
 from .ceiling import Ceiling, CeilingConfig, Tier, compute_ceiling
-from .decision import AdmissionQuery, Decision, Outcome, decide
+from .decision import AdmissionQuery, Decision, Outcome, cache_limit_bytes, decide
 from .estimate import (
     KV_STEP,
     ModelGeometry,
@@ -19,13 +19,15 @@ from .estimate import (
     geometry_from_model,
     kv_cache_bytes,
 )
-from .guard import GuardState, MemoryGuard
+from .guard import GuardState, HandBackPolicy, MemoryGuard
 from .probes import (
     AllocatorProbe,
     CudaProbe,
     LinuxProbe,
     MacOSProbe,
+    NvmlReading,
     Probe,
+    PynvmlReader,
     detect_probe,
 )
 from .snapshot import MemorySnapshot
@@ -40,16 +42,20 @@ __all__ = [
     "CudaProbe",
     "Decision",
     "GuardState",
+    "HandBackPolicy",
     "LinuxProbe",
     "MacOSProbe",
     "MemoryGuard",
     "MemorySnapshot",
     "ModelGeometry",
+    "NvmlReading",
     "Outcome",
     "PrefillEstimate",
     "Probe",
+    "PynvmlReader",
     "Tier",
     "TransientTracker",
+    "cache_limit_bytes",
     "compute_ceiling",
     "decide",
     "detect_probe",

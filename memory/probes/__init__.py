@@ -6,5 +6,16 @@ from .cuda import CudaProbe
 from .detect import detect_probe
 from .linux import LinuxProbe
 from .macos import MacOSProbe
+from .nvml import NvmlReading, PynvmlReader, process_footprint
 
-__all__ = ["AllocatorProbe", "CudaProbe", "LinuxProbe", "MacOSProbe", "Probe", "detect_probe"]
+__all__ = [
+    "AllocatorProbe",
+    "CudaProbe",
+    "LinuxProbe",
+    "MacOSProbe",
+    "NvmlReading",
+    "Probe",
+    "PynvmlReader",
+    "detect_probe",
+    "process_footprint",
+]

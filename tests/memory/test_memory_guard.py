@@ -25,7 +25,7 @@ def test_check_admits_and_records() -> None:
 
 def test_tier_switch_changes_the_decision_at_runtime() -> None:
     g = guard()
-    q = AdmissionQuery(predicted_bytes=49 * GiB)  # need 59 GiB
+    q = AdmissionQuery(predicted_bytes=49 * GiB, baseline_bytes=10 * GiB)  # need 59 GiB
     assert g.check(q).outcome is Outcome.REJECT
     assert g.configure(tier=Tier.AGGRESSIVE) == GuardState(True, Tier.AGGRESSIVE, None)
     assert g.check(q).outcome is Outcome.ADMIT
@@ -53,7 +53,7 @@ def test_custom_ceiling_validation_and_switching() -> None:
     assert g.state() == GuardState(True, Tier.BALANCED, None)  # failures change nothing
     assert g.configure(ceiling_bytes=12 * GiB) == GuardState(True, Tier.CUSTOM, 12 * GiB)
     assert g.ceiling().hard_bytes == 12 * GiB
-    assert g.check(AdmissionQuery(predicted_bytes=3 * GiB)).outcome is Outcome.REJECT
+    assert g.check(AdmissionQuery(predicted_bytes=3 * GiB, baseline_bytes=10 * GiB)).outcome is Outcome.REJECT
     assert g.configure(enabled=False).ceiling_bytes == 12 * GiB  # kept while custom
     assert g.configure(tier=Tier.SAFE) == GuardState(False, Tier.SAFE, None)
     with pytest.raises(ValueError):
@@ -84,7 +84,7 @@ def test_concurrent_checks_and_reconfiguration() -> None:
     def checker() -> None:
         try:
             for _ in range(500):
-                d = g.check(AdmissionQuery(predicted_bytes=49 * GiB))
+                d = g.check(AdmissionQuery(predicted_bytes=49 * GiB, baseline_bytes=10 * GiB))
                 assert d.outcome in (Outcome.ADMIT, Outcome.REJECT)
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
