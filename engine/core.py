@@ -62,6 +62,8 @@ class EngineStats:
     oom_recoveries: int = 0
     admission_checks: int = 0
     admission_s: float = 0.0
+    peak_bytes: int = 0  # MLX's peak active memory since start
+    cache_limit_bytes: int = 0  # MLX's cache limit, as read back from MLX
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,8 @@ class EngineCore:
         self.config = config
         self.publish = publish
         self.admission = Admission(
-            guard, loaded.geometry, backend=loaded.backend, min_chunk_tokens=config.min_chunk_tokens
+            guard, loaded.geometry, backend=loaded.backend, min_chunk_tokens=config.min_chunk_tokens,
+            weight_bytes=loaded.weight_bytes,
         )
         self.prefix_cache = PrefixCache(
             max_bytes=config.prefix_cache_bytes, max_entries=config.prefix_cache_entries
@@ -236,10 +239,9 @@ class EngineCore:
             return True
         if decision.outcome is Outcome.EVICT:
             self.prefix_cache.evict(decision.bytes_to_free, self._protected())
-            mx.clear_cache()
+            self.admission.hand_back()  # evicted buffers sit in MLX's cache until then
             return True
         if decision.outcome is Outcome.WAIT:
-            mx.clear_cache()
             if seq.wait_since is None:
                 seq.wait_since = now
             if now - seq.wait_since < self.config.wait_timeout_s:
@@ -327,11 +329,11 @@ class EngineCore:
         start = seq.processed
         chunk = mx.array(seq.request.prompt_tokens[start : start + tokens])[None]
         active_before = mx.get_active_memory()
-        mx.reset_peak_memory()
+        self.admission.reset_peak()
         self.model(chunk, cache=seq.caches)
         mx.eval([c.state for c in seq.caches])
         self.admission.observe_chunk(tokens, max(mx.get_peak_memory() - active_before, 0))
-        mx.clear_cache()
+        # No clear_cache here: the guard has memory handed back when admission needs room.
         seq.processed += tokens
         self._counters["prefill_chunks"] += 1
         self._counters["prompt_tokens"] += tokens
@@ -460,4 +462,14 @@ class EngineCore:
             oom_recoveries=c["oom_recoveries"],
             admission_checks=self.admission.checks,
             admission_s=round(self.admission.check_seconds, 6),
+            peak_bytes=self.admission.lifetime_peak_bytes(),
+            cache_limit_bytes=self.admission.cache_limit_bytes,
         )
+
+    def follow_memory_policy(self) -> int:
+        """Re-derive MLX's cache limit after the guard's policy changed; on the engine thread
+        (through `call`). Returns the limit MLX now holds."""
+        committed = self.admission.committed_bytes(self._admitted(), self._allocated_kv())
+        limit = self.admission.follow_ceiling(committed)
+        self._publish_stats()
+        return limit

@@ -44,8 +44,8 @@ class EngineCollector(Collector):
         snapshot = guard.snapshot()
         ceiling = guard.ceiling(snapshot)
         yield GaugeMetricFamily("mlx_headroom_memory_usage_bytes",
-                                "this process's memory use (footprint less the allocator cache)",
-                                value=snapshot.footprint_bytes - snapshot.allocator_cache_bytes)
+                                "this process's memory use as the device counts it",
+                                value=snapshot.footprint_bytes)
         yield GaugeMetricFamily("mlx_headroom_memory_footprint_bytes", "this process's footprint",
                                 value=snapshot.footprint_bytes)
         yield GaugeMetricFamily("mlx_headroom_memory_ceiling_bytes", "the hard memory ceiling",

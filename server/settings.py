@@ -40,6 +40,9 @@ class Settings(BaseSettings):
     memory_ceiling_bytes: int | None = Field(None, gt=0)
     memory_probe: Literal["auto", "macos", "linux", "cuda", "allocator"] = "auto"
     memory_wait_timeout_s: float = Field(30.0, ge=0)
+    memory_reading_max_age_s: float = Field(
+        2.0, gt=0, description="an older probe reading is read again, and never refuses a request"
+    )
     prefix_cache_bytes: int = Field(2 * GiB, ge=0)
     prefix_cache_entries: int = Field(16, ge=0)
 
