@@ -91,6 +91,7 @@ class Decision:
     code: str = ""  # for REJECT and WAIT
     request_id: str | None = None
     at: float = 0.0  # time.time(), stamped by MemoryGuard (decide itself is pure)
+    cache_bytes: int = 0  # MLX's buffer cache, part of usage_bytes
 
     @property
     def over_bytes(self) -> int:
@@ -135,6 +136,7 @@ def decide(snapshot: MemorySnapshot, ceiling: Ceiling, query: AdmissionQuery) ->
             bytes_to_free=to_free,
             code=code,
             request_id=query.request_id,
+            cache_bytes=snapshot.allocator_cache_bytes,
         )
 
     if need <= hard:
@@ -166,6 +168,7 @@ def decide(snapshot: MemorySnapshot, ceiling: Ceiling, query: AdmissionQuery) ->
             predicted_bytes=predicted,
             code=code,
             request_id=query.request_id,
+            cache_bytes=snapshot.allocator_cache_bytes,
         )
     return make(
         Outcome.WAIT,
@@ -179,13 +182,15 @@ def decide(snapshot: MemorySnapshot, ceiling: Ceiling, query: AdmissionQuery) ->
 
 def cache_limit_bytes(decision: Decision) -> int | None:
     """How much MLX may keep in its buffer cache after this decision, so that cached
-    buffers cannot push the footprint past the ceiling: the room the decision leaves (for
-    a WAIT, the room left without the waiting step). ``None`` when the decision says
-    nothing about the room now (a REJECT, an unreadable probe, a disabled guard)."""
+    buffers cannot push the footprint past the ceiling: the ceiling less everything else
+    the decision counts (for a WAIT, without the step that waits). ``None`` when the
+    decision says nothing about the room now (a REJECT, an unreadable probe, a disabled
+    guard)."""
     if decision.outcome is Outcome.REJECT or decision.code in (
         CODE_PROBE_FAILED, CODE_READING_STALE, CODE_GUARD_DISABLED
     ):
         return None
+    others = decision.needed_bytes - decision.cache_bytes
     if decision.outcome is Outcome.WAIT:
-        return max(0, decision.limit_bytes - (decision.needed_bytes - decision.predicted_bytes))
-    return max(0, decision.limit_bytes - decision.needed_bytes)
+        others -= decision.predicted_bytes
+    return max(0, decision.limit_bytes - others)

@@ -54,8 +54,8 @@ class GuardState:
 @dataclass(frozen=True)
 class HandBackPolicy:
     """When memory MLX does not count (CUDA's pool) is worth handing back unasked: when it
-    exceeds the least ever seen (the CUDA context, the interpreter) by ``margin_bytes``,
-    at most every ``interval_s``."""
+    exceeds what the last hand-back left (the CUDA context, the interpreter) by
+    ``margin_bytes``, at most every ``interval_s``."""
 
     margin_bytes: int = 256 * MiB
     interval_s: float = 1.0
@@ -174,6 +174,11 @@ class MemoryGuard:
                 self._hand_backs += 1
                 self._last_hand_back = self._clock()
             reading = self._read()
+            if reading.snapshot is not None:
+                # What a hand-back leaves untracked is not reclaimable (CUDA context, RSS of
+                # the interpreter): only growth beyond it counts from now on.
+                with self._lock:
+                    self._untracked_floor = reading.snapshot.untracked_bytes
             decision = self._decide(state, reading, query)
         if record:
             self.record(decision)
@@ -192,10 +197,6 @@ class MemoryGuard:
             if self._max_age is not None and age > self._max_age:
                 bad = _Reading(None, CODE_READING_STALE, f"the memory reading is {age:.1f}s old")
                 continue
-            with self._lock:
-                untracked = snap.untracked_bytes
-                if self._untracked_floor is None or untracked < self._untracked_floor:
-                    self._untracked_floor = untracked
             return _Reading(snap)
         return bad
 
@@ -237,8 +238,8 @@ class MemoryGuard:
         )
 
     def untracked_excess_bytes(self, snapshot: MemorySnapshot) -> int:
-        """Memory MLX does not count beyond the least ever seen: what a hand-back can return
-        on top of MLX's cache (CUDA's pool)."""
+        """Memory MLX does not count beyond what the last hand-back left (all of it before
+        the first): what a hand-back may return on top of MLX's cache (CUDA's pool)."""
         with self._lock:
             floor = self._untracked_floor
         return max(0, snapshot.untracked_bytes - (floor if floor is not None else 0))
