@@ -67,7 +67,8 @@ class Admission:
         self.check_seconds = 0.0  # engine-thread time spent asking the guard: its cost
         self.peak_bytes = 0  # MLX's peak before the latest reset (chunks reset it)
         # MLX's own default (32 MiB on the CPU, the memory limit on CUDA): never raised above.
-        self.default_cache_limit = mx.set_cache_limit(0)
+        self.default_cache_limit = mx.set_cache_limit(0)  # returns the limit it replaces
+        mx.set_cache_limit(self.default_cache_limit)
         self.cache_limit_bytes = mx.set_cache_limit(self.default_cache_limit)  # read back
         self.baseline_bytes = self._idle_footprint(weight_bytes)
 

@@ -114,6 +114,7 @@ class EngineCore:
         self._stop = False
         self._outputs: list[RequestOutput] = []
         self._prefilling_now: Sequence | None = None
+        self._publish_stats()  # the idle engine's numbers (peak, cache limit) before any step
 
     # ---- called from other threads ------------------------------------------------
     def submit(self, request: EngineRequest) -> None:
