@@ -1,0 +1,97 @@
+"""A memory probe that fails is an unknown, not a "no": requests wait and re-read, and are
+never refused with `x-should-retry: false`; the engine keeps serving.
+
+The server runs in this process (uvicorn on a thread) so that the probe can be injected:
+the real allocator probe, made to raise while `failing` is set, as NVML does when the
+driver hiccups.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from memory import AllocatorProbe, MemorySnapshot
+from server.app import create_app
+from server.settings import Settings
+from tests.conftest import free_port, wait_until
+
+MODEL = "mlx-headroom/tiny-chat"
+
+
+class FlakyProbe:
+    def __init__(self) -> None:
+        self.inner = AllocatorProbe()
+        self.failing = False
+        self.failures = 0
+
+    def read(self) -> MemorySnapshot:
+        if self.failing:
+            self.failures += 1
+            raise OSError("NVML_ERROR_UNKNOWN: the driver did not answer")
+        return self.inner.read()
+
+
+@pytest.fixture
+def serve(tiny_model_path: Path) -> Iterator:
+    servers: list[tuple[uvicorn.Server, threading.Thread]] = []
+
+    def start(wait_timeout_s: float) -> tuple[str, FlakyProbe, object]:
+        probe = FlakyProbe()
+        settings = Settings(model=str(tiny_model_path), served_model_name=MODEL,
+                            memory_wait_timeout_s=wait_timeout_s)
+        app = create_app(settings, probe=probe)
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        wait_until(lambda: server.started)
+        servers.append((server, thread))
+        return f"http://127.0.0.1:{port}", probe, app.state.server.guard
+
+    yield start
+    for server, thread in servers:
+        server.should_exit = True
+        thread.join(30)
+
+
+def complete(url: str) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": "hello there", "max_tokens": 5, "temperature": 0})
+
+
+def test_a_failing_probe_makes_requests_wait_then_they_run(serve):
+    url, probe, guard = serve(wait_timeout_s=60)
+    probe.failing = True
+    result: dict[str, httpx.Response] = {}
+    thread = threading.Thread(target=lambda: result.setdefault("r", complete(url)))
+    thread.start()
+    wait_until(lambda: any(d.code == "memory_probe_failed" for d in guard.recent_decisions()))
+    assert httpx.get(f"{url}/v1/memory").status_code == 503  # said plainly, not a 500
+    assert httpx.get(f"{url}/health").status_code == 200
+    probe.failing = False
+    thread.join(60)
+    r = result["r"]
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 5
+    assert all(d.outcome.value != "reject" for d in guard.recent_decisions())
+
+
+def test_a_probe_that_stays_down_is_a_507_that_says_retry(serve):
+    url, probe, _ = serve(wait_timeout_s=0.3)
+    probe.failing = True
+    started = time.monotonic()
+    r = complete(url)
+    assert r.status_code == 507, r.text
+    assert r.json()["error"]["code"] == "memory_wait_timeout"
+    assert r.headers["x-should-retry"] == "true" and int(r.headers["retry-after"]) >= 1
+    assert "memory probe failed" in r.json()["error"]["message"]
+    assert time.monotonic() - started < 30
+    probe.failing = False
+    assert complete(url).status_code == 200  # the engine lived through it
