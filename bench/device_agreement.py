@@ -44,7 +44,7 @@ from typing import Any
 import httpx
 
 from bench.loadgen import Workload, run_load
-from bench.servers import ROOT, Server, stop_all
+from bench.servers import ROOT, Server, _nvidia_smi_used, stop_all
 
 API_KEY = "bench-key"
 NAME = "bench"
@@ -131,6 +131,10 @@ class Sampler:
         apps = await query_compute_apps()
         if apps is not None and self.server.proc is not None:
             row["driver_bytes"], row["driver_match"] = driver_bytes_for(apps, self.server.proc.pid)
+            if row["driver_match"] == "no_apps":
+                # Some containers list no compute processes at all: the device's used memory
+                # (ours, if the machine is ours alone) is the closest figure.
+                row["driver_bytes"], row["driver_match"] = await _nvidia_smi_used(), "device_used"
         with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
             r = await client.get(self.server.url + "/v1/memory", headers=self.server.headers, timeout=5)
             if r.status_code == 200:
