@@ -83,10 +83,13 @@ class Admission:
         return max(weight_bytes, footprint)
 
     def hand_back(self) -> None:
-        """Give back what MLX holds but does not use: wait for queued work (on CUDA that is
-        when the pool returns freed memory), then free MLX's buffer cache."""
+        """Give back what MLX holds but does not use: wait for queued work (on CUDA a
+        synchronize is when CUDA's pool returns freed memory to the device), free MLX's
+        buffer cache (on CUDA, into that pool), and synchronize again so the pool returns
+        those buffers too before the guard reads again."""
         mx.synchronize()
         mx.clear_cache()
+        mx.synchronize()
 
     def _ask(self, query: AdmissionQuery) -> Decision:
         started = time.perf_counter()

@@ -197,6 +197,9 @@ class MemoryGuard:
             if self._max_age is not None and age > self._max_age:
                 bad = _Reading(None, CODE_READING_STALE, f"the memory reading is {age:.1f}s old")
                 continue
+            with self._lock:  # memory returned late (CUDA trims its pool at a later sync)
+                if self._untracked_floor is not None and snap.untracked_bytes < self._untracked_floor:
+                    self._untracked_floor = snap.untracked_bytes
             return _Reading(snap)
         return bad
 

@@ -256,3 +256,25 @@ def test_the_cache_limit_is_the_room_the_decision_leaves() -> None:
     assert cache_limit_bytes(g.check(NEVER_FITS)) is None
     g.configure(enabled=False)
     assert cache_limit_bytes(g.check(FITS)) is None
+
+
+def test_memory_the_pool_returns_late_lowers_what_counts_as_untracked_for_good() -> None:
+    """CUDA's pool may return a hand-back's buffers only at a later synchronize: the
+    reading right after still shows them. A later, lower reading is the real floor, so the
+    pool's next growth is seen as growth."""
+    now = [0.0]
+    p = HandBackProbe(cache=0, pool=1 * GiB)
+
+    def late_hand_back() -> None:
+        p.hand_backs += 1  # nothing comes back yet
+
+    g = custom_guard(p, clock=lambda: now[0])
+    g.check(AdmissionQuery(predicted_bytes=0), reclaim=late_hand_back)
+    assert g.untracked_excess_bytes(p.read()) == 0  # 1 GiB left: taken as the floor
+    p.pool = 0  # returned at the next sync
+    g.check(AdmissionQuery(predicted_bytes=0))
+    p.pool = 1 * GiB  # the pool grows again
+    assert g.untracked_excess_bytes(p.read()) == 1 * GiB
+    now[0] = 2.0
+    g.check(AdmissionQuery(predicted_bytes=0), reclaim=p.hand_back)
+    assert p.hand_backs == 2
