@@ -25,6 +25,7 @@ from engine.prefix_cache import PrefixCache, PrefixCacheStats
 from engine.request import EngineRequest, RequestOutput
 from engine.sequence import RequestStatus, Sequence
 from memory import Decision, MemoryGuard, Outcome
+from memory.decision import CODE_WAITING
 
 log = logging.getLogger("mlx_headroom.engine")
 
@@ -294,8 +295,9 @@ class EngineCore:
                 if not self._act_on(seq, plan.decision, time.monotonic()):
                     if seq not in self.prefilling:
                         continue  # refused: the next one may fit
-                    if not len(self.batch) and self._preempt_youngest_prefill(seq):
-                        continue  # memory was handed back: ask again
+                    if (not len(self.batch) and plan.decision.code == CODE_WAITING
+                            and self._preempt_youngest_prefill(seq)):
+                        continue  # memory was handed back: ask again (not for an unreadable probe)
                     return  # it waits, and so does everyone behind it
                 seq.wait_since = None
                 self._run_chunk(seq, plan.tokens)
