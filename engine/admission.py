@@ -71,6 +71,7 @@ class Admission:
         mx.set_cache_limit(self.default_cache_limit)
         self.cache_limit_bytes = mx.set_cache_limit(self.default_cache_limit)  # read back
         self.baseline_bytes = self._idle_footprint(weight_bytes)
+        self._last_upkeep = time.monotonic()
 
     def _idle_footprint(self, weight_bytes: int) -> int:
         """What the idle server holds (weights, runtime, CUDA context): the floor under any
@@ -124,6 +125,19 @@ class Admission:
             )
         )
         return self.cache_limit_bytes
+
+    UPKEEP_INTERVAL_S = 1.0
+
+    def upkeep_due(self) -> bool:
+        return time.monotonic() - self._last_upkeep >= self.UPKEEP_INTERVAL_S
+
+    def upkeep(self, committed: int) -> Decision:
+        """Once a second, whatever runs (decode-only stretches ask nothing otherwise): read
+        memory, let the guard have memory handed back if the footprint holds much more than
+        MLX counts or is over the ceiling, and set the cache limit to the room left."""
+        self._last_upkeep = time.monotonic()
+        return self._ask(AdmissionQuery(predicted_bytes=0, committed_bytes=committed,
+                                        baseline_bytes=self.baseline_bytes))
 
     def reset_peak(self) -> None:
         """Reset MLX's peak (chunks measure their own), keeping the lifetime peak."""

@@ -157,6 +157,8 @@ class EngineCore:
             self._decode()
         except RuntimeError as exc:
             self._recover_from_device_oom(exc, list(self.batch.seqs))
+        if self.admission.upkeep_due():
+            self.admission.upkeep(self.admission.committed_bytes(self._admitted(), self._allocated_kv()))
         self._counters["steps"] += 1
         self._publish_stats()
         progressed = bool(self._outputs or len(self.batch))

@@ -1,13 +1,18 @@
-"""A memory probe that fails is an unknown, not a "no": requests wait and re-read, and are
-never refused with `x-should-retry: false`; the engine keeps serving.
+"""Through a server whose probe is injected:
+
+- a memory probe that fails is an unknown, not a "no": requests wait and re-read, and are
+  never refused with `x-should-retry: false`; the engine keeps serving;
+- memory the footprint holds beyond what MLX counts (CUDA's pool) is handed back even
+  while the engine is idle, at most once a second.
 
 The server runs in this process (uvicorn on a thread) so that the probe can be injected:
-the real allocator probe, made to raise while `failing` is set, as NVML does when the
-driver hiccups.
+the real allocator probe, made to raise while `failing` is set (as NVML does when the
+driver hiccups), or to report `pool` bytes more than MLX counts until a hand-back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -30,12 +35,14 @@ class FlakyProbe:
         self.inner = AllocatorProbe()
         self.failing = False
         self.failures = 0
+        self.pool = 0  # bytes the "driver" counts beyond MLX's active + cache
 
     def read(self) -> MemorySnapshot:
         if self.failing:
             self.failures += 1
             raise OSError("NVML_ERROR_UNKNOWN: the driver did not answer")
-        return self.inner.read()
+        snap = self.inner.read()
+        return dataclasses.replace(snap, footprint_bytes=snap.footprint_bytes + self.pool)
 
 
 @pytest.fixture
@@ -95,3 +102,16 @@ def test_a_probe_that_stays_down_is_a_507_that_says_retry(serve):
     assert time.monotonic() - started < 30
     probe.failing = False
     assert complete(url).status_code == 200  # the engine lived through it
+
+
+def test_memory_mlx_does_not_count_is_handed_back_while_idle(serve):
+    url, probe, guard = serve(wait_timeout_s=30)
+    assert guard.hand_backs == 0  # nothing untracked: nothing to hand back
+    probe.pool = 1 << 30  # CUDA's pool grows by 1 GiB (more than the 256 MiB margin)
+    wait_until(lambda: guard.hand_backs == 1, timeout=10)  # no request needed: upkeep
+    assert httpx.get(f"{url}/v1/memory").json()["allocator"]["hand_backs"] == 1
+    # What a hand-back leaves is not reclaimable: it is not asked for again and again.
+    assert complete(url).status_code == 200
+    assert guard.hand_backs == 1
+    probe.pool = 2 << 30  # the pool grows again
+    wait_until(lambda: guard.hand_backs == 2, timeout=10)
