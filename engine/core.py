@@ -25,6 +25,7 @@ from engine.prefix_cache import PrefixCache, PrefixCacheStats
 from engine.request import EngineRequest, RequestOutput
 from engine.sequence import RequestStatus, Sequence
 from memory import Decision, MemoryGuard, Outcome, ProbeUnavailableError
+from memory.decision import CODE_PROBE_FAILED, CODE_READING_STALE, CODE_WAITING
 
 log = logging.getLogger("mlx_headroom.engine")
 
@@ -63,6 +64,8 @@ class EngineStats:
     admission_checks: int = 0
     admission_s: float = 0.0
     recent_chunks: tuple[ChunkSample, ...] = ()  # oldest first: prediction against measurement
+    peak_bytes: int = 0  # MLX's peak active memory since start
+    cache_limit_bytes: int = 0  # MLX's cache limit, as read back from MLX
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,8 @@ class EngineCore:
         self.config = config
         self.publish = publish
         self.admission = Admission(
-            guard, loaded.geometry, backend=loaded.backend, min_chunk_tokens=config.min_chunk_tokens
+            guard, loaded.geometry, backend=loaded.backend, min_chunk_tokens=config.min_chunk_tokens,
+            weight_bytes=loaded.weight_bytes,
         )
         self.prefix_cache = PrefixCache(
             max_bytes=config.prefix_cache_bytes, max_entries=config.prefix_cache_entries
@@ -112,6 +116,7 @@ class EngineCore:
         self._stop = False
         self._outputs: list[RequestOutput] = []
         self._prefilling_now: Sequence | None = None
+        self._publish_stats()  # the idle engine's numbers (peak, cache limit) before any step
 
     # ---- called from other threads ------------------------------------------------
     def submit(self, request: EngineRequest) -> None:
@@ -159,6 +164,8 @@ class EngineCore:
             self._decode()
         except RuntimeError as exc:
             self._recover_from_device_oom(exc, list(self.batch.seqs))
+        if self.admission.upkeep_due():
+            self.admission.upkeep(self.admission.committed_bytes(self._admitted(), self._allocated_kv()))
         progressed = bool(self._outputs or len(self.batch))
         if progressed or self._counters["prefill_chunks"] != chunks_before:
             self._counters["steps"] += 1  # steps that did work: an idle wake-up is not one
@@ -244,10 +251,9 @@ class EngineCore:
             return True
         if decision.outcome is Outcome.EVICT:
             self.prefix_cache.evict(decision.bytes_to_free, self._protected())
-            mx.clear_cache()
+            self.admission.hand_back()  # evicted buffers sit in MLX's cache until then
             return True
         if decision.outcome is Outcome.WAIT:
-            mx.clear_cache()
             if seq.wait_since is None:
                 seq.wait_since = now
             if now - seq.wait_since < self.config.wait_timeout_s:
@@ -259,6 +265,17 @@ class EngineCore:
 
     def _refuse(self, seq: Sequence, decision: Decision, *, timed_out: bool) -> None:
         waited = time.monotonic() - (seq.wait_since or time.monotonic())
+        if timed_out and decision.code in (CODE_PROBE_FAILED, CODE_READING_STALE):
+            # It waited for a reading, not for memory: say so, and that it is temporary.
+            log.info("refused request %s: no memory reading for %.1fs", seq.request_id, waited)
+            self.guard.record(dataclasses.replace(decision, outcome=Outcome.REJECT))
+            unavailable = MemoryProbeUnavailableError(
+                f"Waited {waited:.1f}s for a memory reading and gave up: {decision.reason} "
+                "Nothing is admitted blind; retry shortly.",
+                retry_after_s=5,
+            )
+            self._finish(seq, RequestStatus.FINISHED_REJECTED, error=unavailable)
+            return
         if timed_out:
             message = (
                 f"Waited {waited:.1f}s for memory and gave up: {decision.reason} "
@@ -299,8 +316,9 @@ class EngineCore:
                 if not self._act_on(seq, plan.decision, time.monotonic()):
                     if seq not in self.prefilling:
                         continue  # refused: the next one may fit
-                    if not len(self.batch) and self._preempt_youngest_prefill(seq):
-                        continue  # memory was handed back: ask again
+                    if (not len(self.batch) and plan.decision.code == CODE_WAITING
+                            and self._preempt_youngest_prefill(seq)):
+                        continue  # memory was handed back: ask again (not for an unreadable probe)
                     return  # it waits, and so does everyone behind it
                 seq.wait_since = None
                 self._run_chunk(seq, plan.tokens)
@@ -336,11 +354,11 @@ class EngineCore:
         chunk = mx.array(seq.request.prompt_tokens[start : start + tokens])[None]
         predicted = self.admission.chunk_prediction(seq, tokens)  # before the tracker learns
         active_before = mx.get_active_memory()
-        mx.reset_peak_memory()
+        self.admission.reset_peak()
         self.model(chunk, cache=seq.caches)
         mx.eval([c.state for c in seq.caches])
         self.admission.observe_chunk(tokens, max(mx.get_peak_memory() - active_before, 0), predicted)
-        mx.clear_cache()
+        # No clear_cache here: the guard has memory handed back when admission needs room.
         seq.processed += tokens
         self._counters["prefill_chunks"] += 1
         self._counters["prompt_tokens"] += tokens
@@ -489,4 +507,14 @@ class EngineCore:
             admission_checks=self.admission.checks,
             admission_s=round(self.admission.check_seconds, 6),
             recent_chunks=self.admission.recent_chunks(),
+            peak_bytes=self.admission.lifetime_peak_bytes(),
+            cache_limit_bytes=self.admission.cache_limit_bytes,
         )
+
+    def follow_memory_policy(self) -> int:
+        """Re-derive MLX's cache limit after the guard's policy changed; on the engine thread
+        (through `call`). Returns the limit MLX now holds."""
+        committed = self.admission.committed_bytes(self._admitted(), self._allocated_kv())
+        limit = self.admission.follow_ceiling(committed)
+        self._publish_stats()
+        return limit

@@ -7,7 +7,7 @@ WAIT or REJECT, and why. Nothing here imports FastAPI, the engine or the server,
 """
 
 from .ceiling import Ceiling, CeilingConfig, Tier, compute_ceiling
-from .decision import AdmissionQuery, Decision, Outcome, decide
+from .decision import AdmissionQuery, Decision, Outcome, cache_limit_bytes, decide
 from .errors import ProbeError, ProbeUnavailableError
 from .estimate import (
     KV_STEP,
@@ -20,13 +20,15 @@ from .estimate import (
     geometry_from_model,
     kv_cache_bytes,
 )
-from .guard import GuardState, MemoryGuard
+from .guard import GuardState, HandBackPolicy, MemoryGuard
 from .probes import (
     AllocatorProbe,
     CudaProbe,
     LinuxProbe,
     MacOSProbe,
+    NvmlReading,
     Probe,
+    PynvmlReader,
     ResilientProbe,
     detect_probe,
 )
@@ -42,19 +44,23 @@ __all__ = [
     "CudaProbe",
     "Decision",
     "GuardState",
+    "HandBackPolicy",
     "LinuxProbe",
     "MacOSProbe",
     "MemoryGuard",
     "MemorySnapshot",
     "ModelGeometry",
+    "NvmlReading",
     "Outcome",
     "PrefillEstimate",
     "Probe",
     "ProbeError",
     "ProbeUnavailableError",
+    "PynvmlReader",
     "ResilientProbe",
     "Tier",
     "TransientTracker",
+    "cache_limit_bytes",
     "compute_ceiling",
     "decide",
     "detect_probe",

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 from engine import backend_name
 from memory import Tier
-from server.errors import BadRequest
+from server.errors import BadRequest, ServiceUnavailable
 from server.schemas import MemoryGuardUpdate
 from server.state import get_state
 
@@ -66,6 +66,8 @@ async def put_memory_guard(update: MemoryGuardUpdate, request: Request) -> dict[
         )
     except ValueError as exc:
         raise BadRequest(str(exc), code="invalid_memory_guard", param="tier") from exc
+    # MLX's cache limit follows the ceiling: the engine re-derives it between two steps.
+    await get_state(request).engine.follow_memory_policy()
     return _guard_state(request)
 
 
@@ -73,17 +75,32 @@ async def put_memory_guard(update: MemoryGuardUpdate, request: Request) -> dict[
 async def memory_view(request: Request) -> dict[str, Any]:
     state = get_state(request)
     guard = state.guard
-    snapshot = guard.snapshot()
+    try:
+        snapshot = guard.snapshot()
+    except Exception as exc:  # a failing probe is reported, not a 500
+        raise ServiceUnavailable(f"memory probe unavailable: {exc!r}",
+                                 code="memory_probe_unavailable",
+                                 headers={"Retry-After": "5", "x-should-retry": "true"}) from exc
     ceiling = guard.ceiling(snapshot)
     stats = state.engine.stats
     prefix = stats.prefix_cache
     return {
         "platform": snapshot.platform,
-        "usage_bytes": snapshot.footprint_bytes - snapshot.allocator_cache_bytes,
+        # What the device (or OS) counts for this process, MLX's cache and CUDA's pool
+        # included, and where that figure came from; admission counts the same number.
+        "usage_bytes": snapshot.footprint_bytes,
+        "usage_source": snapshot.usage_source,
         "footprint_bytes": snapshot.footprint_bytes,
         "allocator": {
             "active_bytes": snapshot.allocator_active_bytes,
             "cache_bytes": snapshot.allocator_cache_bytes,
+            "peak_bytes": stats.peak_bytes,
+            "cache_limit_bytes": stats.cache_limit_bytes,
+            # held but counted by neither active nor cache (the CUDA context and pool)
+            "untracked_bytes": snapshot.untracked_bytes,
+            "reclaimable_bytes": snapshot.allocator_cache_bytes
+            + guard.untracked_excess_bytes(snapshot),
+            "hand_backs": guard.hand_backs,
         },
         "system": {
             "total_bytes": snapshot.total_bytes,
@@ -99,6 +116,8 @@ async def memory_view(request: Request) -> dict[str, Any]:
             "binding": ceiling.binding,
             "tier": ceiling.tier.value,
             "components": dict(ceiling.components),
+            "fixed_bytes": ceiling.fixed_bytes,
+            "fixed_binding": ceiling.fixed_binding,
         },
         "committed_bytes": stats.committed_bytes,
         "kv_bytes": stats.kv_bytes,

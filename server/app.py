@@ -53,6 +53,7 @@ def make_guard(settings: Settings, probe: Probe | None = None) -> MemoryGuard:
         enabled=settings.memory_guard,
         tier=Tier(settings.memory_tier),
         custom_ceiling_bytes=settings.memory_ceiling_bytes,
+        max_reading_age_s=settings.memory_reading_max_age_s,
     )
 
 

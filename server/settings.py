@@ -43,6 +43,9 @@ class Settings(BaseSettings):
     memory_probe_grace_s: float = Field(
         5.0, ge=0, description="how long the last good memory reading stands in for a failing probe"
     )
+    memory_reading_max_age_s: float = Field(
+        2.0, gt=0, description="an older probe reading is read again, and never refuses a request"
+    )
     prefix_cache_bytes: int = Field(2 * GiB, ge=0)
     prefix_cache_entries: int = Field(16, ge=0)
 
