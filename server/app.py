@@ -13,6 +13,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from engine import EngineClient, EngineConfig, LoadedModel, load_model
 from memory import MemoryGuard, Probe, Tier, detect_probe
+from server import anthropic
 from server.access_log import AccessLogMiddleware
 from server.admin_routes import router as admin_router
 from server.auth import AuthMiddleware
@@ -78,15 +79,18 @@ def create_app(
 
     app = FastAPI(title="mlx-headroom", version="0.1.0", lifespan=lifespan)
     app.state.server = state
-    install_error_handlers(app)
+    install_error_handlers(app, render=anthropic.render)
     app.include_router(openai_router)
+    app.include_router(anthropic.router)
     app.include_router(admin_router)
     app.include_router(metrics_router)
     app.state.metrics = Metrics(state)
     # Outermost last: the access log sees every answer, CORS answers preflights before
     # auth, and auth refuses before a body is read.
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
-    app.add_middleware(AuthMiddleware, api_key=settings.api_key, admin_key=settings.admin_key)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes,
+                       render=anthropic.render)
+    app.add_middleware(AuthMiddleware, api_key=settings.api_key, admin_key=settings.admin_key,
+                       render=anthropic.render)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins,
                            allow_methods=["*"], allow_headers=["*"], expose_headers=["x-request-id"])

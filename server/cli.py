@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                        help="weight dtype of a dummy model")
     serve.add_argument("--served-model-name")
+    serve.add_argument("--model-alias", dest="model_aliases", action="append", metavar="NAME=SERVED",
+                       help="answer requests for NAME with the served model (repeatable); NAME may "
+                       "be a glob: 'claude-*=my-model' serves Claude Code, '*=my-model' any name")
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int)
     serve.add_argument("--max-concurrency", type=int)

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine import TokenLogprob
+from server import anthropic
 from server.errors import APIError, BadRequest, NotFound
 from server.generation import ChoiceResult, Generation, gather, prepare
 from server.schemas import ChatCompletionRequest, CompletionRequest
@@ -23,7 +24,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _check_model(state: ServerState, name: str) -> None:
-    if name not in state.model_names:
+    if not state.serves(name):
         raise NotFound(
             f"The model '{name}' does not exist; this server serves '{state.model_name}'",
             code="model_not_found", param="model",
@@ -240,6 +241,8 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
     state = get_state(request)
+    if "anthropic-version" in request.headers:
+        return anthropic.model_list(state)
     return {
         "object": "list",
         "data": [{
