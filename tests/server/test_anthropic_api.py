@@ -325,3 +325,34 @@ def test_memory_wait_that_times_out_is_529_overloaded_with_retry_after(start_ser
     assert err["code"] == "memory_wait_timeout" and err["estimated_bytes"] > 0
     first.join()
     assert first.finish == "length"
+
+
+def test_unknown_fields_and_blocks_are_logged_at_debug_without_text(start_server):
+    p = start_server(args=["--log-level", "debug"])
+    secret = "do-not-log-this-prompt"
+    blocks = [{"type": "hologram", "text": secret}, {"type": "text", "text": secret}]
+    r = post(p, {"model": MODEL, "max_tokens": 2, "brand_new_option": {"x": 1},
+                 "messages": [{"role": "user", "content": blocks}]})
+    assert r.status_code == 200, r.text
+    log = p.log()
+    assert "'hologram'" in log and "brand_new_option" in log
+    assert secret not in log
+
+
+def test_max_tokens_is_a_ceiling_clamped_to_the_context_room(tmp_path):
+    """Claude Code asks for 32000 tokens whatever the model; the answer stops at the context
+    (a tiny model with a 512-token context keeps this quick), or at the server's cap."""
+    from engine.tiny_model import TinyModelShape, build_tiny_model
+
+    model = build_tiny_model(tmp_path / "short", TinyModelShape(max_position_embeddings=512))
+    p = ServerProcess(model, env={"MLX_HEADROOM_MAX_TOKENS_CAP": "20000"}).start(tmp_path)
+    try:
+        with anthropic.Anthropic(base_url=p.url, api_key="unused", max_retries=0) as c:
+            messages = [{"role": "user", "content": "p" * 300}]
+            counted = c.messages.count_tokens(model=MODEL, messages=messages).input_tokens
+            with c.messages.stream(model=MODEL, max_tokens=32000, messages=messages) as stream:
+                m = stream.get_final_message()
+    finally:
+        p.stop()
+    assert m.stop_reason == "max_tokens"
+    assert m.usage.output_tokens == 512 - counted
