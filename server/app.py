@@ -22,6 +22,8 @@ from server.limits import BodyLimitMiddleware
 from server.metrics import Metrics
 from server.metrics import router as metrics_router
 from server.openai_routes import router as openai_router
+from server.openapi_doc import install_openapi_errors
+from server.responses import router as responses_router
 from server.settings import Settings
 from server.state import ServerState
 
@@ -82,6 +84,8 @@ def create_app(
     install_error_handlers(app, render=anthropic.render)
     app.include_router(openai_router)
     app.include_router(anthropic.router)
+    app.include_router(responses_router)
+    install_openapi_errors(app)
     app.include_router(admin_router)
     app.include_router(metrics_router)
     app.state.metrics = Metrics(state)

@@ -62,6 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-prompts", action="store_true", default=None,
                        help="put prompt and completion text in the access log")
     serve.add_argument("--log-level")
+    serve.add_argument("--responses-store-entries", type=int)
+    serve.add_argument("--responses-store-bytes", type=int)
     sub.add_parser("build-default-model", help="build the embedded default model and print its path")
     return parser
 

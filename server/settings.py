@@ -48,6 +48,10 @@ class Settings(BaseSettings):
     prefix_cache_bytes: int = Field(2 * GiB, ge=0)
     prefix_cache_entries: int = Field(16, ge=0)
 
+    # Responses API: the in-memory store behind `previous_response_id` (requests with store=true)
+    responses_store_entries: int = Field(256, ge=0, description="stored responses kept, at most")
+    responses_store_bytes: int = Field(64 << 20, ge=0, description="bytes of stored responses, at most")
+
     # service
     api_key: str | None = None
     admin_key: str | None = None

@@ -22,6 +22,7 @@ class ServerState:
     guard: MemoryGuard
     started_at: int = field(default_factory=lambda: int(time.time()))
     shutting_down: bool = False
+    grammar_compiler: Any = None  # server.structured.grammar_compiler builds it on first use
 
     @property
     def ready(self) -> bool:

@@ -9,6 +9,6 @@
 """
 
 from server.anthropic.errors import render
-from server.anthropic.routes import model_list, router
+from server.anthropic.routes import model_card, model_list, router
 
-__all__ = ["model_list", "render", "router"]
+__all__ = ["model_card", "model_list", "render", "router"]

@@ -126,14 +126,19 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, 
     return {"input_tokens": len(await _prompt_tokens(state, body))}
 
 
-def model_list(state: ServerState) -> dict[str, Any]:
-    """GET /v1/models as Anthropic answers it (for requests carrying anthropic-version)."""
+def model_card(state: ServerState) -> dict[str, Any]:
+    """GET /v1/models/{id} as Anthropic answers it (for requests carrying anthropic-version)."""
     created = datetime.fromtimestamp(state.started_at, timezone.utc).isoformat().replace("+00:00", "Z")
-    model = {
+    return {
         "type": "model",
         "id": state.model_name,
         "display_name": state.model_name,
         "created_at": created,
         "max_input_tokens": state.context_length if state.ready else None,
     }
-    return {"data": [model], "has_more": False, "first_id": model["id"], "last_id": model["id"]}
+
+
+def model_list(state: ServerState) -> dict[str, Any]:
+    """GET /v1/models as Anthropic answers it."""
+    card = model_card(state)
+    return {"data": [card], "has_more": False, "first_id": card["id"], "last_id": card["id"]}

@@ -1,0 +1,44 @@
+"""The tool-call parser on its own: streamed text in any split, calls out, no markup leaked."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from server.tools import FunctionTool, ToolCallParser, ToolChoice, ToolError, ToolSyntax, check_tools
+
+HERMES = ToolSyntax.for_tokenizer(object())  # no mlx-lm parser: Hermes JSON fallback
+TOOLS = [FunctionTool("f", parameters={"type": "object"})]
+OUTPUT = 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\n' \
+         '{"name": "f", "arguments": {"x": 2}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, len(OUTPUT)])
+def test_any_split_gives_the_same_text_and_calls(size):
+    parser = ToolCallParser(HERMES, TOOLS)
+    text, calls = "", []
+    for i in range(0, len(OUTPUT), size):
+        piece = parser.feed(OUTPUT[i:i + size])
+        assert "<" not in piece.text  # no partial marker is ever released
+        text += piece.text
+        calls += piece.calls
+    tail = parser.finish()
+    text, calls = text + tail.text, calls + tail.calls
+    assert text == "Sure."
+    assert [json.loads(c.arguments) for c in calls] == [{"x": 1}, {"x": 2}]
+    assert len({c.id for c in calls}) == 2
+
+
+def test_a_call_cut_off_by_max_tokens_is_dropped_and_plain_text_kept():
+    parser = ToolCallParser(HERMES, TOOLS)
+    piece = parser.feed('a < b <tool_call>\n{"name": "f", "argu')
+    tail = parser.finish()
+    assert piece.text + tail.text == "a < b" and not parser.calls
+
+
+def test_named_choice_must_name_a_tool():
+    with pytest.raises(ToolError, match="g"):
+        check_tools(TOOLS, ToolChoice("named", "g"))
+    with pytest.raises(ToolError):
+        check_tools([], ToolChoice("required"))
