@@ -11,7 +11,6 @@ the served model reads text only.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
 from server.anthropic.schemas import (
@@ -26,14 +25,6 @@ from server.anthropic.schemas import (
     ToolUseBlock,
 )
 from server.errors import BadRequest
-
-
-@dataclass(frozen=True)
-class ChatPrompt:
-    """The prompt in chat-template form, and how big it is, for the server's limits."""
-
-    messages: list[dict[str, Any]]
-    chars: int
 
 
 def _unservable(block: ImageBlock | DocumentBlock, model: str, where: str) -> BadRequest:
@@ -124,7 +115,7 @@ def system_text(body: PromptFields, model: str) -> str:
     return "\n\n".join(p for p in parts if p)
 
 
-def to_chat(body: PromptFields, model: str) -> ChatPrompt:
+def to_chat(body: PromptFields, model: str) -> list[dict[str, Any]]:
     """The request's conversation; `model` is the served model's name, for error messages."""
     messages: list[dict[str, Any]] = []
     if system := system_text(body, model):
@@ -134,6 +125,4 @@ def to_chat(body: PromptFields, model: str) -> ChatPrompt:
             messages.extend(_turn(message, model, index))
     if len(messages) == (1 if system else 0):
         raise BadRequest("messages holds no user or assistant turn", param="messages")
-    chars = sum(len(m.get("content") or "") for m in messages)
-    chars += sum(len(c["function"]["arguments"]) for m in messages for c in m.get("tool_calls", ()))
-    return ChatPrompt(messages, chars)
+    return messages

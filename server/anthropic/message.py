@@ -1,10 +1,12 @@
-"""A finished (or starting) generation as Anthropic's `message` object."""
+"""A generation as Anthropic's `message` object, and its usage and stop reason."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from server.anthropic.blocks import whole_content
 from server.generation import Generation
+from server.tools import ToolCallParser
 
 STOP_REASONS = {"length": "max_tokens", "stop": "end_turn"}
 
@@ -22,13 +24,15 @@ def usage(generation: Generation) -> dict[str, int]:
     }
 
 
-def stop_fields(generation: Generation) -> dict[str, Any]:
+def stop_fields(generation: Generation, *, tool_use: bool) -> dict[str, Any]:
     choice = generation.choices[0]
     matched = choice.text.matched_stop
     if matched is not None:
         return {"stop_reason": "stop_sequence", "stop_sequence": matched}
-    return {"stop_reason": STOP_REASONS.get(choice.finish_reason or "stop", "end_turn"),
-            "stop_sequence": None}
+    finish = choice.finish_reason or "stop"
+    if tool_use and finish == "stop":
+        return {"stop_reason": "tool_use", "stop_sequence": None}
+    return {"stop_reason": STOP_REASONS.get(finish, "end_turn"), "stop_sequence": None}
 
 
 def message_shell(generation: Generation, model: str) -> dict[str, Any]:
@@ -45,9 +49,17 @@ def message_shell(generation: Generation, model: str) -> dict[str, Any]:
     }
 
 
-def message_body(generation: Generation, model: str) -> dict[str, Any]:
+def message_body(generation: Generation, model: str, parser: ToolCallParser | None) -> dict[str, Any]:
+    text = generation.choices[0].text.text
+    calls = []
+    if parser is not None:
+        piece = parser.feed(text)
+        tail = parser.finish()
+        text, calls = piece.text + tail.text, piece.calls + tail.calls
+    content = whole_content(text, calls)
+    tool_use = any(block["type"] == "tool_use" for block in content)
     return {
         **message_shell(generation, model),
-        "content": [{"type": "text", "text": generation.choices[0].text.text}],
-        **stop_fields(generation),
+        "content": content,
+        **stop_fields(generation, tool_use=tool_use),
     }

@@ -11,7 +11,6 @@ local model's context is often smaller than that.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -19,13 +18,15 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from server.anthropic.convert import ChatPrompt, to_chat
+from server.anthropic.convert import to_chat
 from server.anthropic.message import message_body
 from server.anthropic.schemas import CountTokensRequest, MessagesRequest, PromptFields
 from server.anthropic.stream import message_events
-from server.errors import BadRequest, NotFound
+from server.chat_plan import ChatPlan, plan_chat
+from server.errors import NotFound
 from server.generation import Generation, gather, prepare
 from server.state import ServerState, get_state
+from server.tools import FunctionTool, ToolChoice
 
 router = APIRouter()
 
@@ -56,25 +57,31 @@ def _check_model(state: ServerState, name: str) -> None:
         )
 
 
-async def _prompt_tokens(state: ServerState, body: PromptFields) -> list[int]:
-    prompt: ChatPrompt = to_chat(body, state.model_name)
-    state.check_prompt_size(len(prompt.messages), prompt.chars)
-    tokenizer = state.tokenizer
-    messages = prompt.messages
-
-    def run() -> list[int]:
-        if tokenizer.has_chat_template:
-            return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-        text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
-        return list(tokenizer.encode(text))
-
-    try:
-        return await asyncio.to_thread(run)
-    except Exception as exc:
-        raise BadRequest(f"the messages could not be formatted: {exc}", param="messages") from exc
+def _tool_choice(body: PromptFields, tools: list[FunctionTool]) -> ToolChoice:
+    """Anthropic's tool_choice in the shared terms: `any` is OpenAI's `required`."""
+    choice = body.tool_choice
+    if choice is None:
+        return ToolChoice("auto" if tools else "none")
+    if choice.type == "tool":
+        return ToolChoice("named", choice.name)
+    return ToolChoice({"any": "required"}.get(choice.type, choice.type))  # type: ignore[arg-type]
 
 
-def _start(state: ServerState, body: MessagesRequest, tokens: list[int]) -> Generation:
+async def _plan(state: ServerState, body: PromptFields, *, counting: bool = False) -> ChatPlan:
+    """The prompt through the chat template, the tools in play, and, when a call is
+    forced (`any` or a named tool), the grammar that makes the output a valid call.
+    Counting tokens needs the same prompt but no grammar."""
+    tools = [FunctionTool(t.name, t.description, t.input_schema) for t in body.tools or []]
+    choice = _tool_choice(body, tools)
+    if counting and choice.forces_call:
+        choice = ToolChoice("auto")
+    parallel = not (body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use)
+    return await plan_chat(state, to_chat(body, state.model_name), tools=tools, choice=choice,
+                           parallel_tool_calls=parallel, tools_param="tool_choice")
+
+
+def _start(state: ServerState, body: MessagesRequest, plan: ChatPlan) -> Generation:
+    tokens = plan.tokens
     room = state.context_length - len(tokens)
     limit = min(body.max_tokens, state.settings.max_tokens_cap)
     sampling = _Sampling(
@@ -92,6 +99,7 @@ def _start(state: ServerState, body: MessagesRequest, tokens: list[int]) -> Gene
         max_tokens_cap=state.settings.max_tokens_cap,
         logprobs=False,
         top_logprobs=0,
+        new_processor=plan.new_processor,
     )
     return Generation(state.engine, state.tokenizer, prepared,
                       timeout_s=state.settings.request_timeout_s)
@@ -101,8 +109,8 @@ def _start(state: ServerState, body: MessagesRequest, tokens: list[int]) -> Gene
 async def create_message(body: MessagesRequest, request: Request) -> JSONResponse | StreamingResponse:
     state = get_state(request)
     _check_model(state, body.model)
-    tokens = await _prompt_tokens(state, body)
-    generation = _start(state, body, tokens)
+    plan = await _plan(state, body)
+    generation = _start(state, body, plan)
     request.state.generation = generation
     if body.stream:
         try:
@@ -110,20 +118,20 @@ async def create_message(body: MessagesRequest, request: Request) -> JSONRespons
         except BaseException:
             generation.close()
             raise
-        return StreamingResponse(message_events(generation, first, body.model),
+        return StreamingResponse(message_events(generation, first, body.model, plan.parser()),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         await gather(generation, request)
     finally:
         generation.close()
-    return JSONResponse(message_body(generation, body.model))
+    return JSONResponse(message_body(generation, body.model, plan.parser()))
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
     state = get_state(request)
     _check_model(state, body.model)
-    return {"input_tokens": len(await _prompt_tokens(state, body))}
+    return {"input_tokens": len((await _plan(state, body, counting=True)).tokens)}
 
 
 def model_card(state: ServerState) -> dict[str, Any]:

@@ -1,8 +1,10 @@
 """A message as Anthropic's server-sent events, each an `event:` line and a `data:` line.
 
-The documented order: `message_start`, then per content block `content_block_start`,
-`content_block_delta`s and `content_block_stop` (a `ping` follows the first block's start),
-then `message_delta` with the stop reason and the final usage, then `message_stop`. An
+The documented order: `message_start`, a `ping`, then per content block
+`content_block_start`, `content_block_delta`s (`text_delta`, or `input_json_delta` for a
+tool's input) and `content_block_stop`, then `message_delta` with the stop reason and the
+final usage, then `message_stop`. Blocks open as their content arrives (blocks.py), so a
+message that is only a tool call has no empty text block before it, as when whole. An
 error after the 200 has gone out arrives as an `error` event.
 
 `message_start` carries the whole prompt as `input_tokens`: the prefix cache's share is
@@ -17,10 +19,12 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from server.anthropic.blocks import BlockStream
 from server.anthropic.errors import error_body
 from server.anthropic.message import message_shell, stop_fields, usage
 from server.errors import APIError
 from server.generation import Generation
+from server.tools import ToolCallParser
 
 
 def sse(event: str, data: dict[str, Any]) -> bytes:
@@ -34,22 +38,22 @@ async def _events(generation: Generation, first: Any) -> AsyncIterator[Any]:
         yield event
 
 
-async def message_events(generation: Generation, first: Any, model: str) -> AsyncIterator[bytes]:
+async def message_events(
+    generation: Generation, first: Any, model: str, parser: ToolCallParser | None
+) -> AsyncIterator[bytes]:
     """The events of a generation whose first event (or end) has arrived; closing aborts it."""
+    blocks = BlockStream(parser)
     try:
         start = message_shell(generation, model)
         start["usage"] = {**usage(generation), "input_tokens": len(generation.prepared.prompt_tokens),
-                          "cache_read_input_tokens": 0}
+                          "cache_read_input_tokens": 0, "output_tokens": 0}
         yield sse("message_start", {"type": "message_start", "message": start})
-        yield sse("content_block_start", {"type": "content_block_start", "index": 0,
-                                          "content_block": {"type": "text", "text": ""}})
         yield sse("ping", {"type": "ping"})
-        async for _, delta, _ in _events(generation, first):
-            if delta.text:
-                yield sse("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                  "delta": {"type": "text_delta", "text": delta.text}})
-        yield sse("content_block_stop", {"type": "content_block_stop", "index": 0})
-        yield sse("message_delta", {"type": "message_delta", "delta": stop_fields(generation),
+        async for _, delta, finish in _events(generation, first):
+            for event, data in blocks.feed(delta.text, final=finish is not None):
+                yield sse(event, data)
+        yield sse("message_delta", {"type": "message_delta",
+                                    "delta": stop_fields(generation, tool_use=blocks.calls > 0),
                                     "usage": usage(generation)})
         yield sse("message_stop", {"type": "message_stop"})
     except APIError as exc:

@@ -171,7 +171,7 @@ def test_raw_stream_is_event_and_data_lines(proc):
         assert event.startswith("event: ") and data.startswith("data: ")
         assert json.loads(data[6:])["type"] == event[7:]
         kinds.append(event[7:])
-    assert kinds == ["message_start", "content_block_start", "ping", "content_block_delta",
+    assert kinds == ["message_start", "ping", "content_block_start", "content_block_delta",
                      "content_block_delta", "content_block_delta", "content_block_stop",
                      "message_delta", "message_stop"]
 

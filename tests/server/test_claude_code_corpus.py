@@ -19,8 +19,14 @@ MAX_TOKENS = 6  # Claude Code asks for 32000; a few tokens show the request was 
 
 
 @pytest.fixture(scope="module")
-def proc(tiny_model_path, tmp_path_factory):
-    p = ServerProcess(tiny_model_path, args=[
+def proc(tmp_path_factory):
+    """The tiny model with a 16k context: Claude Code's tools alone fill ~12k of its
+    byte-level tokens."""
+    from engine.tiny_model import TinyModelShape, build_tiny_model
+
+    model = build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-16k",
+                             TinyModelShape(max_position_embeddings=16384))
+    p = ServerProcess(model, args=[
         "--model-alias", f"claude-*={MODEL}", "--api-key", API_KEY,
     ]).start(tmp_path_factory.mktemp("corpus"))
     yield p
@@ -51,7 +57,7 @@ def test_the_corpus_covers_what_the_issue_names():
 def test_corpus_request_is_served(proc, path):
     body, headers, query = load(path)
     url = f"{proc.url}/v1/messages?{query}"
-    whole = httpx.post(url, headers=headers, timeout=60,
+    whole = httpx.post(url, headers=headers, timeout=300,
                        json={**body, "stream": False, "max_tokens": MAX_TOKENS})
     assert whole.status_code == 200, whole.text
     message = whole.json()
@@ -59,14 +65,14 @@ def test_corpus_request_is_served(proc, path):
     assert message["stop_reason"] in {"end_turn", "max_tokens", "tool_use"}
     assert message["usage"]["output_tokens"] >= 1
 
-    streamed = httpx.post(url, headers=headers, timeout=60,
+    streamed = httpx.post(url, headers=headers, timeout=300,
                           json={**body, "stream": True, "max_tokens": MAX_TOKENS})
     assert streamed.status_code == 200, streamed.text
     kinds = [kind for kind, _ in sse_events(streamed.text)]
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
     assert "error" not in kinds
 
-    counted = httpx.post(f"{proc.url}/v1/messages/count_tokens?{query}", headers=headers, timeout=60,
+    counted = httpx.post(f"{proc.url}/v1/messages/count_tokens?{query}", headers=headers, timeout=300,
                          json=body)
     assert counted.status_code == 200, counted.text
     usage = message["usage"]
