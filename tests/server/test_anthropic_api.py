@@ -305,6 +305,11 @@ def test_memory_refusal_is_507_with_the_numbers_and_no_retry(start_server):
         assert err["estimated_bytes"] > err["limit_bytes"] > 0
         assert err["binding"] == "custom" and err["code"]
         assert "retry-after" not in r.headers
+    openai_err = httpx.post(p.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "max_tokens": 10, "messages": [{"role": "user", "content": "y" * 3000}]})
+    assert openai_err.status_code == 507
+    numbers = ("code", "estimated_bytes", "limit_bytes", "binding", "message")
+    assert {k: err[k] for k in numbers} == {k: openai_err.json()["error"][k] for k in numbers}
     with anthropic.Anthropic(base_url=p.url, api_key="unused", max_retries=3) as c:
         with pytest.raises(anthropic.InternalServerError) as exc:
             c.messages.create(model=MODEL, max_tokens=10,
@@ -356,3 +361,15 @@ def test_max_tokens_is_a_ceiling_clamped_to_the_context_room(tmp_path):
         p.stop()
     assert m.stop_reason == "max_tokens"
     assert m.usage.output_tokens == 512 - counted
+
+
+def test_a_failure_after_the_stream_started_is_an_error_event(start_server):
+    p = start_server(args=["--request-timeout-s", "1"])
+    with anthropic.Anthropic(base_url=p.url, api_key="unused", max_retries=0) as c:
+        with pytest.raises(anthropic.APIStatusError) as exc:
+            with c.messages.stream(model=MODEL, max_tokens=8000,
+                                   messages=[{"role": "user", "content": "go on"}]) as stream:
+                for _ in stream:
+                    pass
+    assert exc.value.body["type"] == "error"  # type: ignore[index]
+    assert exc.value.body["error"]["type"] == "timeout_error"  # type: ignore[index]
