@@ -1,10 +1,15 @@
 """Compare constrained-decoding libraries on what the engine pays: compile time and the
 per-token cost of computing a mask and consuming a token.
 
-    python -m bench.constraint_libs [--tokens 200]
+    python -m bench.constraint_libs [--tokens 200] [--batch 8 --vocab 259,128256]
 
 Runs on the embedded tiny model's byte tokenizer (259 tokens). xgrammar is reported as
 unavailable when it cannot be imported (it imports torch at import time).
+
+Then the engine's own cost: one `BatchSampler` step (sample, read back, accept) for a batch
+of B rows, plain and with every row under a JSON schema, at each vocabulary width (the
+mask is as wide as the logits: 128256 is Llama 3's), so the per-token overhead of
+constrained decoding is measured apart from the model.
 """
 
 from __future__ import annotations
@@ -82,9 +87,44 @@ def bench_outlines(tokenizer: Any, vocab: int, eos: int, tokens: int) -> dict[st
     return {"compile_ms": compile_s * 1e3, "us_per_token": (time.perf_counter() - t0) / n * 1e6}
 
 
+def bench_sampler(wrapper: Any, batch: int, vocab: int, steps: int) -> dict[str, float]:
+    import mlx.core as mx
+
+    from engine.grammar import Grammar, GrammarCompiler
+    from engine.logits_processor import LogitsProcessor
+    from engine.request import SamplingParams
+    from engine.sampling import BatchSampler
+
+    compiler = GrammarCompiler(wrapper, vocab, sorted(wrapper.eos_token_ids))
+    compiled = compiler.compile(Grammar.json_schema(
+        {"type": "object", "properties": {"v": {"type": "array", "minItems": 100000,
+                                                "items": {"type": "integer"}}}, "required": ["v"]}))
+    logits = mx.random.normal((batch, vocab))
+    mx.eval(logits)
+    out: dict[str, float] = {}
+    for name in ("plain", "schema"):
+        params = [SamplingParams(temperature=1.0, processor=LogitsProcessor(
+            constraint=compiled.new_constraint()) if name == "schema" else None) for _ in range(batch)]
+        sampler = BatchSampler(params)
+        for warm in (True, False):
+            t0 = time.perf_counter()
+            for i in range(steps if not warm else 5):
+                tokens = sampler.sample(logits, [i] * batch).tokens.tolist()
+                if sampler.needs_feedback:
+                    sampler.accept(tokens)
+            if not warm:
+                out[f"{name}_ms_per_step"] = round((time.perf_counter() - t0) / steps * 1e3, 3)
+    extra_ms = out["schema_ms_per_step"] - out["plain_ms_per_step"]
+    out["overhead_us_per_token"] = round(extra_ms * 1e3 / batch, 1)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, default=500)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--vocab", default="259,128256")
+    parser.add_argument("--steps", type=int, default=100)
     args = parser.parse_args()
     from mlx_lm.tokenizer_utils import load
 
@@ -105,7 +145,10 @@ def main() -> None:
         results["xgrammar"] = {"error": "installed; not measured here"}
     except Exception as exc:
         results["xgrammar"] = {"error": f"import failed: {type(exc).__name__}: {exc}"}
-    print(json.dumps({"vocab": vocab, "tokens": args.tokens, "results": results}, indent=2))
+    sampler = {f"B{args.batch}-V{v}": bench_sampler(wrapper, args.batch, int(v), args.steps)
+               for v in args.vocab.split(",")}
+    print(json.dumps({"vocab": vocab, "tokens": args.tokens, "results": results, "sampler_step": sampler},
+                     indent=2))
 
 
 if __name__ == "__main__":

@@ -52,7 +52,8 @@ def _chat_logprobs(tokenizer: Any, items: list[TokenLogprob]) -> dict[str, Any]:
         "content": [
             {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
             for lp in items
-        ]
+        ],
+        "refusal": None,
     }
 
 

@@ -16,12 +16,23 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_STOP_SEQUENCES = 16
 MAX_N = 8
 MAX_BATCH_CHOICES = 64  # prompts in one /v1/completions batch
+DEFAULT_PROMPT = "<|endoftext|>"
 
 
 class TextPart(BaseModel):
+    """A content part. Text is read; an assistant's `refusal` part reads as its text;
+    any other kind (image_url, input_audio, file) is refused by `ChatMessage`."""
+
     model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: str
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+
+    def value(self) -> str:
+        return self.text if self.type == "text" else (self.refusal or "")
+
+
+READABLE_PARTS = ("text", "refusal")
 
 
 class FunctionCallIn(BaseModel):
@@ -35,22 +46,35 @@ class ToolCallIn(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     id: str = ""
-    type: Literal["function"] = "function"
+    type: Literal["function"] = "function"  # OpenAI's "custom" tools are not supported
     function: FunctionCallIn
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
 
+    @field_validator("content", mode="after")
+    @classmethod
+    def _text_only(cls, value: str | list[TextPart] | None) -> str | list[TextPart] | None:
+        if isinstance(value, list):
+            for part in value:
+                if part.type not in READABLE_PARTS:
+                    raise ValueError(f"content parts of type '{part.type}' are not supported: this "
+                                     "server reads text only")
+                if part.type == "text" and part.text is None:
+                    raise ValueError("a text content part needs 'text'")
+        return value
+
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates take it (developer reads as system)."""
-        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
-                               "content": self.text()}
+        # developer reads as system; the deprecated `function` role as a tool result
+        role = {"developer": "system", "function": "tool"}.get(self.role, self.role)
+        out: dict[str, Any] = {"role": role, "content": self.text()}
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         if self.tool_call_id is not None:
@@ -64,7 +88,7 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.value() for part in self.content)
 
 
 class StreamOptions(BaseModel):
@@ -133,7 +157,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, ge=0.0, le=1.0)  # 0 keeps only the most likely token
     top_k: int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
@@ -175,9 +199,7 @@ class SamplingFields(BaseModel):
         stops = [value] if isinstance(value, str) else value
         if len(stops) > MAX_STOP_SEQUENCES:
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
-        if any(s == "" for s in stops):
-            raise ValueError("stop sequences must not be empty")
-        return stops
+        return [s for s in stops if s]  # an empty stop string can never match: ignored
 
     @property
     def stop_list(self) -> list[str]:
@@ -207,13 +229,16 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     # One prompt (text or token ids) or a batch of them, one choice (times n) per prompt.
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
+    # Absent, null or "": OpenAI's documented default, "<|endoftext|>".
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(DEFAULT_PROMPT, min_length=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
     @field_validator("prompt")
     @classmethod
     def _check_prompt(cls, value: Any) -> Any:
+        if value == "":
+            return DEFAULT_PROMPT
         for p in cls._as_batch(value):
             if len(p) == 0:
                 raise ValueError("a prompt must not be empty")
