@@ -82,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print(ensure_default_model())
         return 0
-    settings = settings_from_args(args)
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:  # pydantic's ValidationError: a setting that cannot be served
+        print(f"mlx-headroom: {exc}", file=sys.stderr)
+        return 2
     from server.auth import startup_problem
 
     if (problem := startup_problem(settings)) is not None:

@@ -8,6 +8,8 @@ Claude Code names Claude models; the server answers them through `--model-alias
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import uuid
 
 import anthropic
@@ -26,7 +28,8 @@ from server.errors import (
     TooManyRequests,
     Unauthorized,
 )
-from tests.conftest import MODEL, ServerProcess
+from server.settings import Settings
+from tests.conftest import MODEL, ROOT, ServerProcess
 from tests.server.test_memory_guard import (
     ALLOCATOR,
     MiB,
@@ -373,3 +376,33 @@ def test_a_failure_after_the_stream_started_is_an_error_event(start_server):
                     pass
     assert exc.value.body["type"] == "error"  # type: ignore[index]
     assert exc.value.body["error"]["type"] == "timeout_error"  # type: ignore[index]
+
+
+@pytest.mark.parametrize(("given", "expected"), [
+    ("claude-*=served,haiku=served", {"claude-*": "served", "haiku": "served"}),
+    ('{"claude-opus-4-1": "served"}', {"claude-opus-4-1": "served"}),
+    (["*=served"], {"*": "served"}),
+])
+def test_model_aliases_setting(given, expected):
+    assert Settings(served_model_name="served", model_aliases=given).model_aliases == expected
+
+
+@pytest.mark.parametrize("given", [["no-equals-sign"], ["claude-*=someone-else"], "=served"])
+def test_model_aliases_must_name_the_served_model(given):
+    with pytest.raises(ValueError, match="alias"):
+        Settings(served_model_name="served", model_aliases=given)
+
+
+def test_an_alias_to_another_model_refuses_to_start(tiny_model_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "server.cli", "serve", "--model", str(tiny_model_path),
+         "--model-alias", "claude-*=gpt-4o"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "gpt-4o" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_aliases_hold_on_the_openai_routes_too(proc):
+    r = httpx.post(proc.url + "/v1/chat/completions", timeout=60, headers={"x-api-key": API_KEY},
+                   json={"model": CLAUDE, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == CLAUDE
