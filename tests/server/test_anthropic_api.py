@@ -220,6 +220,8 @@ def test_models_list_in_anthropic_shape(client, proc):
     assert [m.id for m in page.data] == [MODEL]
     assert page.data[0].type == "model" and page.data[0].display_name == MODEL
     assert page.data[0].created_at.year >= 2024
+    card = client.models.retrieve(CLAUDE)  # through the alias
+    assert card.id == MODEL and card.type == "model"
     openai_shape = httpx.get(proc.url + "/v1/models", headers={"x-api-key": API_KEY}).json()
     assert openai_shape["object"] == "list" and openai_shape["data"][0]["object"] == "model"
 
@@ -288,10 +290,12 @@ def test_status_table(error, status, kind):
 
 def test_429_when_the_queue_is_full(start_server):
     p = start_server(args=["--max-concurrency", "1", "--max-queue", "0"])
-    running = StreamInBackground(p.url, "keep busy", 2000)
+    running = StreamInBackground(p.url, "keep busy", 400)
     assert running.started.wait(60)
     r = httpx.post(p.url + "/v1/messages", timeout=60, json={
         "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})
+    running.join()
+    assert running.finish == "length"  # it was still running when the 429 came
     assert_anthropic_error(r, 429, "rate_limit_error")
     assert r.headers["retry-after"]
 
