@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.tools import ToolCall, ToolCallParser
+from server.tools import ToolCall, ToolCallParser, _partial_suffix
 
 log = logging.getLogger("mlx_headroom.anthropic")
 
@@ -53,14 +53,6 @@ def whole_content(text: str, calls: list[ToolCall]) -> list[dict[str, Any]]:
     if text or not blocks:
         blocks.insert(0, {"type": "text", "text": text})
     return blocks
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def _raw_arguments(body: str) -> str | None:
