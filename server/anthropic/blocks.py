@@ -107,7 +107,7 @@ class BlockStream:
         if final:
             self._close()
             if self._next == 0:  # nothing was said: one empty text block, as when whole
-                self._open({"type": "text", "text": ""})
+                self._text = self._open({"type": "text", "text": ""})
                 self._close()
         return self._events
 
