@@ -20,7 +20,15 @@ from server.schemas import ChatCompletionRequest, CompletionRequest
 from server.state import ServerState, get_state
 from server.structured import ProcessorFactory, Shaping, check_logit_bias, response_format_grammar
 from server.text_stream import TextDelta
-from server.tools import FunctionTool, ToolCall, ToolChoice
+from server.tools import (
+    ArgumentsDelta,
+    CallStarted,
+    ContentText,
+    FunctionTool,
+    ParseEvent,
+    ToolCall,
+    ToolChoice,
+)
 
 router = APIRouter()
 
@@ -183,29 +191,33 @@ async def chat_completions(
 
         def event(choice: ChoiceResult, delta: TextDelta, finish: str | None) -> bytes:
             parser = parsers[choice.index]
-            text, calls = delta.text, []
-            if parser is not None:
+            if parser is None:
+                events: list[ParseEvent] = [ContentText(delta.text)] if delta.text else []
+            else:
                 piece = parser.feed(delta.text)
                 if finish is not None:
-                    tail = parser.finish()
-                    piece.text += tail.text
-                    piece.calls += tail.calls
-                text, calls = piece.text, piece.calls
-            logprobs = _chat_logprobs(tokenizer, delta.logprobs) if body.logprobs else None
+                    piece.extend(parser.finish())
+                events = piece.events
+            logprobs = _chat_logprobs(tokenizer, delta.logprobs) if body.logprobs and delta.logprobs else None
             out = b""
-            if text or (logprobs is not None and delta.logprobs):
-                out += chunk([{"index": choice.index, "delta": {"content": text},
-                               "logprobs": logprobs, "finish_reason": None}])
-            for call in calls:
-                # OpenAI's order: id, type and name first, then the arguments' fragments.
-                k = calls_sent[choice.index]
-                calls_sent[choice.index] += 1
-                head = {**_tool_call_json(call, k), "function": {"name": call.name, "arguments": ""}}
-                out += chunk([{"index": choice.index, "delta": {"tool_calls": [head]},
-                               "logprobs": None, "finish_reason": None}])
-                args = {"index": k, "function": {"arguments": call.arguments}}
-                out += chunk([{"index": choice.index, "delta": {"tool_calls": [args]},
-                               "logprobs": None, "finish_reason": None}])
+
+            def send(d: dict[str, Any], lp: dict[str, Any] | None = None) -> bytes:
+                return chunk([{"index": choice.index, "delta": d, "logprobs": lp, "finish_reason": None}])
+
+            for item in events:
+                # OpenAI's order for a call: id, type and name first, then argument fragments.
+                if isinstance(item, ContentText):
+                    out += send({"content": item.text}, logprobs)
+                    logprobs = None
+                elif isinstance(item, CallStarted):
+                    calls_sent[choice.index] += 1
+                    out += send({"tool_calls": [{"index": item.index, "id": item.call_id, "type": "function",
+                                                 "function": {"name": item.name, "arguments": ""}}]})
+                elif isinstance(item, ArgumentsDelta):
+                    out += send({"tool_calls": [{"index": item.index,
+                                                 "function": {"arguments": item.delta}}]})
+            if logprobs is not None:
+                out += send({"content": ""}, logprobs)
             if finish is not None:
                 reason = "tool_calls" if calls_sent[choice.index] and finish == "stop" else finish
                 out += chunk([{"index": choice.index, "delta": {}, "logprobs": None,

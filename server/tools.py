@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -162,20 +163,85 @@ def tool_call_grammar(
     return Grammar.lark(lark, what="tool-call grammar")
 
 
+@dataclass(frozen=True)
+class ContentText:
+    text: str
+
+
+@dataclass(frozen=True)
+class CallStarted:
+    """A call's id and name are known; its arguments follow as `ArgumentsDelta`s."""
+
+    call_id: str
+    name: str
+    index: int  # the call's position among this output's calls
+
+
+@dataclass(frozen=True)
+class ArgumentsDelta:
+    call_id: str
+    index: int
+    delta: str
+
+
+@dataclass(frozen=True)
+class CallDone:
+    call: ToolCall
+    index: int
+
+
+ParseEvent = ContentText | CallStarted | ArgumentsDelta | CallDone
+
+
 @dataclass
 class ParsedPiece:
-    """What the parser releases: text, a finished call, or both."""
+    """What the parser releases, in order (`events`), and the same summed up: the text and
+    the calls completed in this piece."""
 
+    events: list[ParseEvent] = field(default_factory=list)
     text: str = ""
     calls: list[ToolCall] = field(default_factory=list)
+
+    def add_text(self, text: str) -> None:
+        if not text:
+            return
+        self.text += text
+        if self.events and isinstance(self.events[-1], ContentText):
+            self.events[-1] = ContentText(self.events[-1].text + text)
+        else:
+            self.events.append(ContentText(text))
+
+    def extend(self, other: ParsedPiece) -> None:
+        for event in other.events:
+            if isinstance(event, ContentText):
+                self.add_text(event.text)
+            else:
+                self.events.append(event)
+        self.calls += other.calls
+
+
+# `{"name": "...", "arguments": ` at the start of a Hermes call body: from here on the
+# arguments can be streamed as they are generated.
+_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
+_TAIL = re.compile(r"\s*\}?\s*$")  # what may close the call object after the arguments
+
+
+@dataclass
+class _OpenCall:
+    id: str
+    name: str
+    index: int
+    arguments: str = ""
 
 
 class ToolCallParser:
     """Streaming split of generated text into content and tool calls.
 
     Text that could be the beginning of a call marker is held back until it is clearly
-    not, so markup never reaches the client; a call is released when its end marker
-    arrives (or at the end, for markers-only families whose calls end with the output).
+    not, so markup never reaches the client. For Hermes-style JSON calls the name is
+    released as soon as it is complete and the arguments as they are generated (holding
+    back only what may be the closing brace); other families' calls are released whole
+    when their end marker arrives (or at the end of the output).
     """
 
     def __init__(self, syntax: ToolSyntax, tools: list[FunctionTool]) -> None:
@@ -183,7 +249,9 @@ class ToolCallParser:
         self._tools = [t.template_entry() for t in tools]
         self._buffer = ""
         self._in_call = False
+        self._open: _OpenCall | None = None
         self.calls: list[ToolCall] = []
+        self._started = 0
 
     def feed(self, text: str) -> ParsedPiece:
         self._buffer += text
@@ -208,31 +276,67 @@ class ToolCallParser:
                 if at < 0:
                     if final:
                         rest = self._buffer
-                        piece.text += rest.rstrip() if self.calls else rest
+                        piece.add_text(rest.rstrip() if self._started else rest)
                         self._buffer = ""
                         return piece
                     # Hold back a possible marker start, and trailing whitespace: it may
                     # be the separator before a call, which is markup, not content.
                     cut = len(self._buffer) - _partial_suffix(self._buffer, start)
                     cut = len(self._buffer[:cut].rstrip())
-                    piece.text += self._buffer[:cut]
+                    piece.add_text(self._buffer[:cut])
                     self._buffer = self._buffer[cut:]
                     return piece
-                before = self._buffer[:at]
-                piece.text += before.rstrip()  # the newline before a call is markup
+                piece.add_text(self._buffer[:at].rstrip())  # the newline before a call is markup
                 self._buffer = self._buffer[at + len(start):]
                 self._in_call = True
+            if self._open is None and self.syntax.hermes_json:
+                head = _HERMES_HEAD.match(self._buffer)
+                if head is not None:
+                    self._open = _OpenCall("call_" + uuid.uuid4().hex[:24], json.loads(f'"{head.group(1)}"'),
+                                           self._started)
+                    self._started += 1
+                    piece.events.append(CallStarted(self._open.id, self._open.name, self._open.index))
+                    self._buffer = self._buffer[head.end():]
             at = self._buffer.find(end) if end else -1
             if at < 0:
                 if final:
-                    self._emit(self._buffer, piece, truncated=True)
+                    if self._open is not None:  # cut off by max_tokens: what there is
+                        cut = len(self._buffer) - _partial_suffix(self._buffer, end)
+                        self._close_open(self._buffer[:cut], piece)
+                    else:
+                        self._emit(self._buffer, piece, truncated=True)
                     self._buffer, self._in_call = "", False
+                elif self._open is not None:
+                    keep = _partial_suffix(self._buffer, end)
+                    ready = self._buffer[: len(self._buffer) - keep]
+                    ready = ready[: _TAIL.search(ready).start()]  # type: ignore[union-attr]
+                    self._release(ready, piece)
+                    self._buffer = self._buffer[len(ready):]
                 return piece
-            self._emit(self._buffer[:at], piece, truncated=False)
+            if self._open is not None:
+                self._close_open(self._buffer[:at], piece)
+            else:
+                self._emit(self._buffer[:at], piece, truncated=False)
             self._buffer = self._buffer[at + len(end):]
             self._in_call = False
 
+    def _release(self, text: str, piece: ParsedPiece) -> None:
+        assert self._open is not None
+        if text:
+            self._open.arguments += text
+            piece.events.append(ArgumentsDelta(self._open.id, self._open.index, text))
+
+    def _close_open(self, rest: str, piece: ParsedPiece) -> None:
+        assert self._open is not None
+        self._release(rest[: _TAIL.search(rest).start()], piece)  # type: ignore[union-attr]
+        call = ToolCall(self._open.name, self._open.arguments, self._open.id)
+        self.calls.append(call)
+        piece.calls.append(call)
+        piece.events.append(CallDone(call, self._open.index))
+        self._open = None
+
     def _emit(self, body: str, piece: ParsedPiece, *, truncated: bool) -> None:
+        """A whole call body (families without streaming support, or an odd Hermes body)."""
         if not body.strip():
             return
         try:
@@ -244,15 +348,19 @@ class ToolCallParser:
             # A call cut off by max_tokens is dropped (the finish reason says "length");
             # a complete block that is not a call is kept as text, without the markers.
             if not truncated:
-                piece.text += body.strip()
+                piece.add_text(body.strip())
             return
         for c in calls:
             arguments = c.get("arguments", {})
             if not isinstance(arguments, str):
                 arguments = json.dumps(arguments, ensure_ascii=False)
             call = ToolCall(str(c["name"]), arguments)
+            index = self._started
+            self._started += 1
             self.calls.append(call)
             piece.calls.append(call)
+            piece.events += [CallStarted(call.id, call.name, index),
+                             ArgumentsDelta(call.id, index, arguments), CallDone(call, index)]
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -28,7 +28,7 @@ from server.responses.schemas import ResponsesRequest
 from server.responses.store import ResponseStore
 from server.state import get_state
 from server.structured import response_format_grammar
-from server.tools import ToolCall, ToolCallParser
+from server.tools import ArgumentsDelta, CallDone, CallStarted, ContentText, ParseEvent, ToolCallParser
 
 router = APIRouter()
 
@@ -80,6 +80,7 @@ class ResponseBuilder:
         self.output: list[dict[str, Any]] = []
         self.sequence = 0
         self._message: dict[str, Any] | None = None  # the open message item, if any
+        self._calls: dict[str, dict[str, Any]] = {}  # function_call items still streaming
         self.status = "in_progress"
         self.incomplete: dict[str, Any] | None = None
         self.usage: dict[str, Any] | None = None
@@ -141,20 +142,24 @@ class ResponseBuilder:
                 self._event("response.in_progress", response=self.snapshot())]
 
     def feed(self, text: str, *, final: bool = False) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
-        calls: list[ToolCall] = []
-        if self.parser is not None:
+        if self.parser is None:
+            parsed: list[ParseEvent] = [ContentText(text)] if text else []
+        else:
             piece = self.parser.feed(text)
             if final:
-                tail = self.parser.finish()
-                piece.text += tail.text
-                piece.calls += tail.calls
-            text, calls = piece.text, piece.calls
-        if text:
-            events += self._text(text)
-        for call in calls:
-            events += self._close_message()
-            events += self._call(call)
+                piece.extend(self.parser.finish())
+            parsed = piece.events
+        events: list[dict[str, Any]] = []
+        for item in parsed:
+            if isinstance(item, ContentText):
+                events += self._text(item.text)
+            elif isinstance(item, CallStarted):
+                events += self._close_message()
+                events += self._call_started(item)
+            elif isinstance(item, ArgumentsDelta):
+                events += self._arguments(item)
+            else:
+                events += self._call_done(item)
         return events
 
     def _text(self, text: str) -> list[dict[str, Any]]:
@@ -193,19 +198,29 @@ class ResponseBuilder:
                         item={**message, "content": [dict(part)]}),
         ]
 
-    def _call(self, call: ToolCall) -> list[dict[str, Any]]:
-        item = {"type": "function_call", "id": _new_id("fc"), "call_id": call.id, "name": call.name,
-                "arguments": "", "status": "in_progress"}
+    def _call_started(self, started: CallStarted) -> list[dict[str, Any]]:
+        item = {"type": "function_call", "id": _new_id("fc"), "call_id": started.call_id,
+                "name": started.name, "arguments": "", "status": "in_progress"}
         self.output.append(item)
-        index = len(self.output) - 1
-        events = [self._event("response.output_item.added", output_index=index, item=dict(item))]
-        events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                  output_index=index, delta=call.arguments))
-        item["arguments"], item["status"] = call.arguments, "completed"
-        events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
-                                  output_index=index, name=call.name, arguments=call.arguments))
-        events.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
-        return events
+        self._calls[started.call_id] = item
+        return [self._event("response.output_item.added", output_index=len(self.output) - 1,
+                            item=dict(item))]
+
+    def _arguments(self, delta: ArgumentsDelta) -> list[dict[str, Any]]:
+        item = self._calls[delta.call_id]
+        item["arguments"] += delta.delta
+        return [self._event("response.function_call_arguments.delta", item_id=item["id"],
+                            output_index=self.output.index(item), delta=delta.delta)]
+
+    def _call_done(self, done: CallDone) -> list[dict[str, Any]]:
+        item = self._calls.pop(done.call.id)
+        item["status"] = "completed"
+        index = self.output.index(item)
+        return [
+            self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                        name=item["name"], arguments=item["arguments"]),
+            self._event("response.output_item.done", output_index=index, item=dict(item)),
+        ]
 
     def finish(self, finish_reason: str | None, usage: dict[str, Any]) -> list[dict[str, Any]]:
         events = self._close_message()

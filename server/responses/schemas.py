@@ -53,7 +53,15 @@ class FunctionCallOutputItem(BaseModel):
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
-InputItem = FunctionCallItem | FunctionCallOutputItem | MessageItem
+class ReasoningItem(BaseModel):
+    """A reasoning item a client echoes back from another server's output: skipped (this
+    server produces none, and the template has no place for it)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["reasoning"]
+
+
+InputItem = FunctionCallItem | FunctionCallOutputItem | ReasoningItem | MessageItem
 
 
 class FunctionToolDef(BaseModel):
@@ -139,6 +147,8 @@ def items_to_messages(items: list[InputItem]) -> list[dict[str, Any]]:
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
             out.append({"role": role, "content": item.text()})
+        elif isinstance(item, ReasoningItem):
+            continue
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}

@@ -78,7 +78,10 @@ def test_stream_with_a_function_tool(client):
     with client.responses.stream(model=MODEL, input="Weather?", tools=[WEATHER],
                                  tool_choice={"type": "function", "name": "get_weather"},
                                  parallel_tool_calls=False, max_output_tokens=100) as stream:
-        kinds = [e.type for e in stream]
+        kinds = []
+        for e in stream:
+            if not kinds or kinds[-1] != e.type:
+                kinds.append(e.type)  # argument deltas: one entry for the run of them
         final = stream.get_final_response()
     call = final.output[0]
     assert call.type == "function_call" and call.name == "get_weather"

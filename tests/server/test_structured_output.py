@@ -157,7 +157,6 @@ def test_one_forced_call_when_parallel_calls_are_off(client):
 
 
 def _check_calls(calls, allowed: set[str]) -> None:
-    assert calls
     for call in calls:
         assert call.type == "function" and call.id
         assert call.function.name in allowed
@@ -175,7 +174,10 @@ def test_forced_tool_calls_are_valid_calls(client, choice):
     assert result.finish_reason in ("tool_calls", "length")
     assert result.message.content is None
     allowed = {"get_weather", "get_time"} if choice == "required" else {"get_time"}
-    _check_calls(result.message.tool_calls, allowed)
+    calls = result.message.tool_calls
+    assert calls
+    # a call cut off by max_tokens comes as generated (finish_reason says so), as OpenAI does
+    _check_calls(calls if result.finish_reason == "tool_calls" else calls[:-1], allowed)
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])

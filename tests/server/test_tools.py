@@ -42,3 +42,18 @@ def test_named_choice_must_name_a_tool():
         check_tools(TOOLS, ToolChoice("named", "g"))
     with pytest.raises(ToolError):
         check_tools([], ToolChoice("required"))
+
+
+def test_hermes_arguments_stream_as_they_are_generated():
+    parser = ToolCallParser(HERMES, TOOLS)
+    text = '<tool_call>\n{"name": "f", "arguments": {"x": [1, 2, 3], "y": "}"}}\n</tool_call>'
+    events = []
+    for ch in text:
+        events += parser.feed(ch).events
+    events += parser.finish().events
+    kinds = [type(e).__name__ for e in events]
+    assert kinds[0] == "CallStarted" and events[0].name == "f" and kinds[-1] == "CallDone"
+    deltas = [e.delta for e in events if type(e).__name__ == "ArgumentsDelta"]
+    assert len(deltas) > 5  # fragments, not one piece at the end
+    assert "".join(deltas) == events[-1].call.arguments == '{"x": [1, 2, 3], "y": "}"}'
+    assert json.loads(events[-1].call.arguments) == {"x": [1, 2, 3], "y": "}"}
