@@ -257,13 +257,6 @@ class ToolCallParser:
         self._buffer += text
         return self._drain(final=False)
 
-    @property
-    def pending_call(self) -> str | None:
-        """The body so far of a call whose start marker has arrived but not its end: lets
-        a stream show the call's arguments while they are generated (Anthropic's
-        input_json_delta). None outside a call."""
-        return self._buffer if self._in_call else None
-
     def finish(self) -> ParsedPiece:
         return self._drain(final=True)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.anthropic.blocks import whole_content
+from server.anthropic.blocks import BlockStream, whole_content
 from server.generation import Generation
 from server.tools import ToolCallParser
 
@@ -50,16 +50,10 @@ def message_shell(generation: Generation, model: str) -> dict[str, Any]:
 
 
 def message_body(generation: Generation, model: str, parser: ToolCallParser | None) -> dict[str, Any]:
-    text = generation.choices[0].text.text
-    calls = []
-    if parser is not None:
-        piece = parser.feed(text)
-        tail = parser.finish()
-        text, calls = piece.text + tail.text, piece.calls + tail.calls
-    content = whole_content(text, calls)
-    tool_use = any(block["type"] == "tool_use" for block in content)
+    blocks = BlockStream(parser)
+    content = whole_content(blocks.feed(generation.choices[0].text.text, final=True))
     return {
         **message_shell(generation, model),
         "content": content,
-        **stop_fields(generation, tool_use=tool_use),
+        **stop_fields(generation, tool_use=blocks.calls > 0),
     }

@@ -174,9 +174,10 @@ def test_raw_stream_is_event_and_data_lines(proc):
         assert event.startswith("event: ") and data.startswith("data: ")
         assert json.loads(data[6:])["type"] == event[7:]
         kinds.append(event[7:])
-    assert kinds == ["message_start", "ping", "content_block_start", "content_block_delta",
-                     "content_block_delta", "content_block_delta", "content_block_stop",
-                     "message_delta", "message_stop"]
+    deltas = kinds.count("content_block_delta")  # one per token, fewer when bytes join
+    assert 1 <= deltas <= 3
+    assert kinds == ["message_start", "ping", "content_block_start", *["content_block_delta"] * deltas,
+                     "content_block_stop", "message_delta", "message_stop"]
 
 
 def test_count_tokens_equals_the_input_tokens_a_request_reports(client):

@@ -49,22 +49,35 @@ def blocks_of(events: list[tuple[str, dict]]) -> list[dict]:
     assert open_now is None
     for index, text in raw.items():
         blocks[index]["input"] = json.loads(text)
-        blocks[index]["raw"] = text
     return blocks
 
 
 @pytest.mark.parametrize("size", [1, 2, 5, 13, len(OUTPUT)])
-def test_any_split_gives_text_then_calls_with_raw_arguments(size):
+def test_any_split_gives_the_whole_messages_blocks(size):
     events = run(OUTPUT, size)
     blocks = blocks_of(events)
     assert [b["type"] for b in blocks] == ["text", "tool_use", "tool_use"]
     assert blocks[0]["text"] == "Let me look."
     assert blocks[1]["input"] == json.loads(ARGS_1) and blocks[2]["input"] == json.loads(ARGS_2)
-    if size < len(OUTPUT) // 2:  # the first call streamed: its fragments are the raw text
-        assert blocks[1]["raw"] == ARGS_1
-    assert blocks[1]["id"] != blocks[2]["id"]
-    whole = whole_content("Let me look.", ToolCallParser(HERMES, TOOLS).feed(OUTPUT).calls)
-    assert [(b["type"], b.get("input")) for b in whole] == [(b["type"], b.get("input")) for b in blocks]
+    fragments = "".join(d["delta"]["partial_json"] for n, d in events
+                        if n == "content_block_delta" and d["index"] == 1)
+    assert fragments == ARGS_1  # the arguments exactly as written
+    assert blocks[1]["id"].startswith("toolu_") and blocks[1]["id"] != blocks[2]["id"]
+    whole = whole_content(BlockStream(ToolCallParser(HERMES, TOOLS)).feed(OUTPUT, final=True))
+    assert [{k: v for k, v in b.items() if k != "id"} for b in whole] == \
+        [{k: v for k, v in b.items() if k != "id"} for b in blocks]
+
+
+def test_text_after_a_call_keeps_its_place():
+    text = f'<tool_call>\n{{"name": "f", "arguments": {ARGS_2}}}\n</tool_call>\nDone.'
+    for size in (1, 3, len(text)):
+        assert [b["type"] for b in blocks_of(run(text, size))] == ["tool_use", "text"]
+
+
+def test_a_call_cut_off_by_max_tokens_keeps_its_start():
+    text = '<tool_call>\n{"name": "f", "arguments": {"n": 3, "path": "abc'
+    whole = whole_content(BlockStream(ToolCallParser(HERMES, TOOLS)).feed(text, final=True))
+    assert [(b["type"], b.get("name"), b.get("input")) for b in whole] == [("tool_use", "f", {"n": 3})]
 
 
 def test_arguments_stream_before_the_call_ends():
@@ -88,3 +101,4 @@ def test_without_tools_all_is_text():
     stream = BlockStream(None)
     events = stream.feed("a <tool_call> b") + stream.feed("", final=True)
     assert blocks_of(events) == [{"type": "text", "text": "a <tool_call> b"}]
+    assert whole_content(BlockStream(None).feed("", final=True)) == [{"type": "text", "text": ""}]
