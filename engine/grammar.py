@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,9 @@ import numpy as np
 
 # Compact JSON: no free whitespace, so a weak model cannot loop on spaces forever.
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+
+
+CACHE_ENTRIES = 64
 
 
 class GrammarError(ValueError):
@@ -105,6 +109,7 @@ class GrammarCompiler:
         self._eos = list(eos_token_ids)
         self._ll: Any = None
         self._lock = threading.Lock()
+        self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
 
     def _tokenizer(self) -> Any:
         with self._lock:
@@ -124,10 +129,24 @@ class GrammarCompiler:
         return None
 
     def compile(self, grammar: Grammar) -> CompiledGrammar:
-        """Blocking (milliseconds, up to a second for huge schemas): call it in a thread."""
+        """Blocking (milliseconds, up to a second for huge schemas): call it in a thread.
+
+        Agents send the same tools and schemas turn after turn, so the last
+        `CACHE_ENTRIES` compiled grammars are kept (each request still gets its own copy
+        of the matcher from `new_constraint`)."""
         import llguidance
 
+        with self._lock:
+            hit = self._cache.get(grammar.source)
+            if hit is not None:
+                self._cache.move_to_end(grammar.source)
+                return hit
         matcher = llguidance.LLMatcher(self._tokenizer(), grammar.source, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"the {grammar.what} cannot be compiled: {matcher.get_error()}")
-        return CompiledGrammar(grammar, matcher)
+        compiled = CompiledGrammar(grammar, matcher)
+        with self._lock:
+            self._cache[grammar.source] = compiled
+            while len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return compiled

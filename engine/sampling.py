@@ -161,12 +161,19 @@ def _unpack_bitmask(words: mx.array, vocab: int) -> mx.array:
 
 
 def _sparse_rows(rows: int, vocab: int, entries: list[tuple[int, list[int], list[float]]]) -> mx.array:
-    """A dense [rows, vocab] array that is zero except at the given (row, token) values."""
-    dense = np.zeros((rows, vocab), dtype=np.float32)
+    """A [rows, vocab] array, zero except at the given (row, token) values, built on the
+    device from the sparse entries (no dense host buffer per step)."""
+    r: list[int] = []
+    c: list[int] = []
+    v: list[float] = []
     for row, ids, values in entries:
-        if ids:
-            np.add.at(dense[row], np.asarray(ids, dtype=np.int64), np.asarray(values, dtype=np.float32))
-    return mx.array(dense)
+        r += [row] * len(ids)
+        c += ids
+        v += values
+    dense = mx.zeros((rows, vocab), dtype=mx.float32)
+    if not r:
+        return dense
+    return dense.at[mx.array(r), mx.array(c)].add(mx.array(v, dtype=mx.float32))
 
 
 def _scatter_rows(base: mx.array, rows: mx.array, values: mx.array) -> mx.array:

@@ -73,17 +73,22 @@ class ToolSyntax:
     start: str
     end: str
     parse: Any  # (text, tools) -> {"name": ..., "arguments": ...}
+    # The body is `{"name": ..., "arguments": ...}` JSON (Hermes, Qwen 2.5, mlx-lm's
+    # `json_tools`): a grammar can force it and the arguments can be streamed.
+    hermes_json: bool = False
 
     @staticmethod
     def for_tokenizer(tokenizer: Any) -> ToolSyntax:
         if getattr(tokenizer, "has_tool_calling", False) and tokenizer.tool_parser is not None:
-            return ToolSyntax(tokenizer.tool_call_start, tokenizer.tool_call_end or "", tokenizer.tool_parser)
-        return ToolSyntax(HERMES_START, HERMES_END, lambda text, tools=None: json.loads(text.strip()))
+            parse = tokenizer.tool_parser
+            json_body = getattr(parse, "__module__", "").endswith(".json_tools")
+            return ToolSyntax(tokenizer.tool_call_start, tokenizer.tool_call_end or "", parse,
+                              hermes_json=json_body)
+        return ToolSyntax(HERMES_START, HERMES_END, _parse_hermes, hermes_json=True)
 
-    @property
-    def hermes_json(self) -> bool:
-        """The call body is `{"name": ..., "arguments": ...}`, so a grammar can force it."""
-        return self.start == HERMES_START and self.end == HERMES_END
+
+def _parse_hermes(text: str, tools: Any = None) -> Any:
+    return json.loads(text.strip())
 
 
 def check_tools(tools: list[FunctionTool], choice: ToolChoice) -> None:

@@ -114,3 +114,14 @@ def test_an_uncompilable_schema_names_the_problem(compiler):
     _, comp = compiler
     with pytest.raises(GrammarError, match="strin"):
         comp.compile(Grammar.json_schema({"type": "object", "properties": {"a": {"type": "strin"}}}))
+
+
+def test_a_repeated_schema_is_compiled_once_and_copies_are_independent(compiler):
+    tok, comp = compiler
+    grammar = Grammar.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
+    first, again = comp.compile(grammar), comp.compile(grammar)
+    assert first is again
+    one, two = first.new_constraint(), first.new_constraint()
+    for t in tok.encode('{"a":1}'):
+        one.accept(t)
+    assert one.done and not two.done

@@ -57,3 +57,16 @@ def test_hermes_arguments_stream_as_they_are_generated():
     assert len(deltas) > 5  # fragments, not one piece at the end
     assert "".join(deltas) == events[-1].call.arguments == '{"x": [1, 2, 3], "y": "}"}'
     assert json.loads(events[-1].call.arguments) == {"x": [1, 2, 3], "y": "}"}
+
+
+def test_a_family_with_its_own_mlx_lm_parser_mistral():
+    from mlx_lm.tool_parsers import mistral
+
+    syntax = ToolSyntax(mistral.tool_call_start, mistral.tool_call_end, mistral.parse_tool_call)
+    parser = ToolCallParser(syntax, TOOLS)
+    output = 'Sure[TOOL_CALLS]f[ARGS]{"x": 1}'
+    text = "".join(parser.feed(ch).text for ch in output)
+    tail = parser.finish()
+    assert text + tail.text == "Sure"
+    assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == [("f", {"x": 1})]
+    assert [type(e).__name__ for e in tail.events] == ["CallStarted", "ArgumentsDelta", "CallDone"]
