@@ -20,8 +20,8 @@ MAX_TOKENS = 6  # Claude Code asks for 32000; a few tokens show the request was 
 
 @pytest.fixture(scope="module")
 def proc(tmp_path_factory):
-    """The tiny model with a 16k context: Claude Code's tools alone fill ~12k of its
-    byte-level tokens."""
+    """The tiny model with a 16k context: the huge tools list renders to ~8.6k of its
+    byte-level tokens, past the default model's 8k."""
     from engine.tiny_model import TinyModelShape, build_tiny_model
 
     model = build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-16k",
