@@ -8,6 +8,7 @@ WAIT or REJECT, and why. Nothing here imports FastAPI, the engine or the server,
 
 from .ceiling import Ceiling, CeilingConfig, Tier, compute_ceiling
 from .decision import AdmissionQuery, Decision, Outcome, decide
+from .errors import ProbeError, ProbeUnavailableError
 from .estimate import (
     KV_STEP,
     ModelGeometry,
@@ -26,6 +27,7 @@ from .probes import (
     LinuxProbe,
     MacOSProbe,
     Probe,
+    ResilientProbe,
     detect_probe,
 )
 from .snapshot import MemorySnapshot
@@ -48,6 +50,9 @@ __all__ = [
     "Outcome",
     "PrefillEstimate",
     "Probe",
+    "ProbeError",
+    "ProbeUnavailableError",
+    "ResilientProbe",
     "Tier",
     "TransientTracker",
     "compute_ceiling",

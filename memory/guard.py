@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from .ceiling import Ceiling, CeilingConfig, Tier, compute_ceiling
 from .decision import AdmissionQuery, Decision, Outcome, decide, usage_bytes
+from .errors import ProbeUnavailableError
 from .probes.base import Probe
 from .snapshot import MemorySnapshot
 
@@ -60,6 +61,8 @@ class MemoryGuard:
         self._lock = threading.Lock()
         self._state = _validated(GuardState(enabled, Tier(tier), custom_ceiling_bytes))
         self._history: deque[Decision] = deque(maxlen=history)
+        # Refusals and waits apart: one admit per prefill chunk would soon push them out.
+        self._refusals: deque[Decision] = deque(maxlen=history)
         self._counts: dict[Outcome, int] = dict.fromkeys(Outcome, 0)
 
     def configure(
@@ -99,6 +102,12 @@ class MemoryGuard:
     def snapshot(self) -> MemorySnapshot:
         return self._probe.read()
 
+    def probe_status(self) -> str:
+        """``"ok"``, ``"stale"`` or ``"unavailable"`` for a
+        :class:`~memory.probes.resilient.ResilientProbe`; other probes raise instead."""
+        status = getattr(self._probe, "status", None)
+        return str(status()) if callable(status) else "ok"
+
     def ceiling(self, snapshot: MemorySnapshot | None = None) -> Ceiling:
         state = self.state()
         snap = snapshot if snapshot is not None else self._probe.read()
@@ -107,12 +116,29 @@ class MemoryGuard:
     def check(self, query: AdmissionQuery, *, record: bool = True) -> Decision:
         """Snapshot, ceiling, decide, record. Disabled → ADMIT (numbers still filled in).
 
+        A :class:`ProbeUnavailableError` from the probe passes through when enabled: the
+        caller must not admit.
+
         ``record=False`` leaves the history and counts alone: for the engine's repeated
         questions (a request re-checked every step while it waits, a chunk tried at
         smaller sizes), which it records once with :meth:`record`.
         """
         state = self.state()
-        snap = self._probe.read()
+        try:
+            snap = self._probe.read()
+        except ProbeUnavailableError:
+            if state.enabled:
+                raise  # never admit blind: the engine refuses with "retry later"
+            snap = None
+        if snap is None:  # disabled: the user asked for no admission control
+            decision = Decision(
+                outcome=Outcome.ADMIT, reason=DISABLED_REASON, needed_bytes=0, limit_bytes=0,
+                binding="unknown", usage_bytes=0, predicted_bytes=query.predicted_bytes,
+                request_id=query.request_id, at=time.time(),
+            )
+            if record:
+                self.record(decision)
+            return decision
         ceiling = compute_ceiling(snap, state.tier, self._config, state.ceiling_bytes)
         if state.enabled:
             decision = dataclasses.replace(decide(snap, ceiling, query), at=time.time())
@@ -137,11 +163,18 @@ class MemoryGuard:
         with self._lock:
             self._history.append(decision)
             self._counts[decision.outcome] += 1
+            if decision.outcome in (Outcome.WAIT, Outcome.REJECT):
+                self._refusals.append(decision)
 
     def recent_decisions(self) -> list[Decision]:
         """Oldest first, at most ``history`` of them."""
         with self._lock:
             return list(self._history)
+
+    def recent_refusals(self) -> list[Decision]:
+        """The last WAIT and REJECT decisions, oldest first, however many admits came since."""
+        with self._lock:
+            return list(self._refusals)
 
     def counts(self) -> Mapping[Outcome, int]:
         """Decisions by outcome since start (every outcome present)."""

@@ -31,7 +31,7 @@ async def health(request: Request) -> JSONResponse:
     state = get_state(request)
     ok = state.ready and not state.shutting_down
     body = {"status": "ok" if ok else "unavailable", "model_loaded": state.engine.loaded is not None,
-            "engine_alive": state.engine.alive}
+            "engine_alive": state.engine.alive, "memory_probe": state.guard.probe_status()}
     return JSONResponse(body, status_code=200 if ok else 503)
 
 
@@ -111,7 +111,7 @@ async def memory_view(request: Request) -> dict[str, Any]:
             "max_bytes": prefix.max_bytes if prefix else 0,
         },
         "queue": {"waiting": stats.waiting, "prefilling": stats.prefilling, "running": stats.running},
-        "engine": {k: v for k, v in asdict(stats).items() if k != "prefix_cache"},
+        "engine": {k: v for k, v in asdict(stats).items() if k not in ("prefix_cache", "recent_chunks")},
         "decisions": [
             {
                 "at": d.at,

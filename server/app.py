@@ -6,18 +6,21 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 from starlette.middleware.cors import CORSMiddleware
 
 from engine import EngineClient, EngineConfig, LoadedModel, load_model
-from memory import MemoryGuard, Probe, Tier, detect_probe
+from memory import MemoryGuard, Probe, ResilientProbe, Tier, detect_probe
 from server import anthropic
 from server.access_log import AccessLogMiddleware
 from server.admin_routes import router as admin_router
 from server.auth import AuthMiddleware
 from server.errors import install_error_handlers
+from server.history import History
+from server.host_guard import HostGuardMiddleware, HostPolicy
 from server.limits import BodyLimitMiddleware
 from server.metrics import Metrics
 from server.metrics import router as metrics_router
@@ -26,15 +29,28 @@ from server.openapi_doc import install_openapi_errors
 from server.responses import router as responses_router
 from server.settings import Settings
 from server.state import ServerState
+from server.stats import LatencyWindow, read_sample
+from server.stats import router as stats_router
 
 log = logging.getLogger("mlx_headroom.server")
 
-DASHBOARD_DIR = Path(__file__).resolve().parent.parent / "dashboard"
+def dashboard_dir() -> Path | None:
+    """The dashboard's static files: package data in an installed wheel (`server/dashboard/`,
+    see setup.py), else the source tree's top-level `dashboard/`."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "dashboard", here.parent / "dashboard"):
+        if (candidate / "index.html").is_file():
+            return candidate
+    return None
+
+
+DASHBOARD_DIR = dashboard_dir()
 
 
 def make_guard(settings: Settings, probe: Probe | None = None) -> MemoryGuard:
     return MemoryGuard(
-        probe or detect_probe(settings.memory_probe),
+        ResilientProbe(probe or detect_probe(settings.memory_probe),
+                       grace_s=settings.memory_probe_grace_s),
         enabled=settings.memory_guard,
         tier=Tier(settings.memory_tier),
         custom_ceiling_bytes=settings.memory_ceiling_bytes,
@@ -57,7 +73,10 @@ def create_app(
     *,
     probe: Probe | None = None,
     load: Callable[[], LoadedModel] | None = None,
+    on_engine_death: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
+    """The app. `on_engine_death` runs on the event loop when the engine thread dies (the
+    CLI stops the server and exits non-zero, so a supervisor restarts it)."""
     settings = settings or Settings()
     guard = make_guard(settings, probe)
     engine = EngineClient(
@@ -66,14 +85,18 @@ def create_app(
         guard=guard,
         config=engine_config(settings),
         max_queue=settings.max_queue,
+        on_death=on_engine_death,
     )
     state = ServerState(settings=settings, engine=engine, guard=guard)
+    history = History(lambda: read_sample(state))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         log.info("ready: serving %s", state.model_name)
+        history.start()
         yield
+        await history.stop()
         state.shutting_down = True
         log.info("shutting down: finishing %d requests (grace %.0fs)",
                  engine.in_flight, settings.shutdown_grace_s)
@@ -88,9 +111,18 @@ def create_app(
     install_openapi_errors(app)
     app.include_router(admin_router)
     app.include_router(metrics_router)
-    app.state.metrics = Metrics(state)
-    # Outermost last: the access log sees every answer, CORS answers preflights before
-    # auth, and auth refuses before a body is read.
+    app.include_router(stats_router)
+    app.state.metrics = metrics = Metrics(state)
+    app.state.history = history
+    app.state.latency = latency = LatencyWindow()
+
+    def observe(record: dict[str, Any], scope: dict[str, Any]) -> None:
+        metrics.observe(record, scope)
+        latency.observe(record)
+
+    # Outermost last: the access log sees every answer, the host guard refuses foreign
+    # Hosts and Origins before anything else, CORS answers preflights before auth, and auth
+    # refuses before a body is read.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes,
                        render=anthropic.render)
     app.add_middleware(AuthMiddleware, api_key=settings.api_key, admin_key=settings.admin_key,
@@ -98,8 +130,11 @@ def create_app(
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins,
                            allow_methods=["*"], allow_headers=["*"], expose_headers=["x-request-id"])
+    app.add_middleware(HostGuardMiddleware, policy=HostPolicy.build(
+        bind_host=settings.host, allowed_hosts=settings.allowed_hosts,
+        cors_origins=settings.cors_origins), render=anthropic.render)
     app.add_middleware(AccessLogMiddleware, log_prompts=settings.log_prompts,
-                       observe=app.state.metrics.observe)
-    if DASHBOARD_DIR.is_dir():
+                       observe=observe)
+    if DASHBOARD_DIR is not None:
         app.mount("/dashboard", StaticFiles(directory=DASHBOARD_DIR, html=True), name="dashboard")
     return app

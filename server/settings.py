@@ -45,6 +45,9 @@ class Settings(BaseSettings):
     memory_ceiling_bytes: int | None = Field(None, gt=0)
     memory_probe: Literal["auto", "macos", "linux", "cuda", "allocator"] = "auto"
     memory_wait_timeout_s: float = Field(30.0, ge=0)
+    memory_probe_grace_s: float = Field(
+        5.0, ge=0, description="how long the last good memory reading stands in for a failing probe"
+    )
     prefix_cache_bytes: int = Field(2 * GiB, ge=0)
     prefix_cache_entries: int = Field(16, ge=0)
 
@@ -59,6 +62,10 @@ class Settings(BaseSettings):
     cors_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="origins allowed by CORS (JSON list or comma-separated)"
     )
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Host names served besides localhost and the bound address ('*': any; unsafe)",
+    )
     max_body_bytes: int = Field(4 << 20, ge=1024)
     max_messages: int = Field(1024, ge=1)
     max_prompt_chars: int = Field(1 << 21, ge=1)
@@ -66,7 +73,7 @@ class Settings(BaseSettings):
     log_prompts: bool = False
     log_level: str = "info"
 
-    @field_validator("cors_origins", mode="before")
+    @field_validator("cors_origins", "allowed_hosts", mode="before")
     @classmethod
     def _split_origins(cls, value: object) -> object:
         if isinstance(value, str):
