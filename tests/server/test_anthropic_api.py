@@ -261,6 +261,8 @@ def test_401_403_404_413_in_anthropic_shape(proc):
     r = httpx.put(proc.url + "/v1/memory-guard", json={"tier": "safe"},
                   headers={"x-api-key": API_KEY, **VERSION})
     assert_anthropic_error(r, 403, "permission_error")
+    r = post(proc, body, host="evil.example")  # DNS rebinding: the host guard refuses it
+    assert_anthropic_error(r, 403, "permission_error")
     r = httpx.get(proc.url + "/v1/messages/batches", headers={"x-api-key": API_KEY})
     assert_anthropic_error(r, 404, "not_found_error")
     assert_anthropic_error(post(proc, {**body, "model": "claude"}), 404, "not_found_error")
