@@ -27,7 +27,10 @@ OPEN_PATHS = frozenset({"/health"})
 OPEN_PREFIXES = ("/dashboard/",)
 INFERENCE_PATHS = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
+    "/v1/responses",
 })
+# A client's own stored responses (GET/DELETE /v1/responses/{id}) are not admin business.
+INFERENCE_PREFIXES = ("/v1/responses/",)
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
@@ -36,7 +39,8 @@ def is_open(path: str) -> bool:
 
 
 def is_admin(method: str, path: str) -> bool:
-    return method not in SAFE_METHODS and path not in INFERENCE_PATHS
+    return (method not in SAFE_METHODS and path not in INFERENCE_PATHS
+            and not path.startswith(INFERENCE_PREFIXES))
 
 
 def _matches(given: str | None, key: str | None) -> bool:

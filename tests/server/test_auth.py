@@ -43,6 +43,8 @@ def assert_error(r: httpx.Response, status: int, type_: str, code: str | None = 
         ("POST", "/v1/messages", API, API, ADMIN, None),
         ("POST", "/v1/messages/count_tokens", API, API, ADMIN, None),
         ("POST", "/v1/messages/batches", API, API, ADMIN, 403),
+        ("POST", "/v1/responses", API, API, ADMIN, None),
+        ("DELETE", "/v1/responses/resp_1", API, API, ADMIN, None),
         ("GET", "/metrics", None, API, None, 401),
         ("GET", "/v1/memory", None, API, None, 401),
         ("GET", "/openapi.json", None, API, None, 401),
