@@ -13,9 +13,9 @@ import json
 import time
 
 import mlx.core as mx
+from engine.decode_batch import DecodeBatch
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from engine.decode_batch import DecodeBatch
 from engine.dummy_model import build_dummy_model, dummy_config
 from engine.request import EngineRequest, SamplingParams
 from engine.sequence import Sequence
