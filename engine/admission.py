@@ -139,7 +139,8 @@ class Admission:
     ) -> ChunkPlan:
         """Ask before the chunk; when it does not fit, halve it down to the floor first."""
         committed = self.committed_bytes(admitted, allocated_kv)
-        releasable = max(self.reservation_bytes([s for s in admitted if s is not seq]), 0)
+        others = self.reservation_bytes([s for s in admitted if s is not seq])
+        releasable = max(others, allocated_kv - self.reservation_bytes([seq]))
         tokens = min(seq.chunk_tokens, seq.remaining_prefill, max_tokens or seq.chunk_tokens)
         while True:
             predicted = self._chunk_prediction(seq, tokens)

@@ -31,6 +31,10 @@ log = logging.getLogger("mlx_headroom.engine")
 
 Publish = Callable[[list[RequestOutput]], None]
 
+# The CPU attends segment by segment anyway (gather + SDPA per group), and its memory is
+# the system's: small segments hand memory back as soon as their requests end.
+CPU_SEGMENT_TOKENS = 2048
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -102,8 +106,11 @@ class EngineCore:
         self.guard = guard
         self.config = config
         self.publish = publish
+        segment_tokens = config.kv_segment_tokens
+        if segment_tokens is None and loaded.backend == "cpu":
+            segment_tokens = CPU_SEGMENT_TOKENS
         self.store = KVStore(
-            loaded.kv_geometry(), block_size=config.kv_block_size, segment_tokens=config.kv_segment_tokens
+            loaded.kv_geometry(), block_size=config.kv_block_size, segment_tokens=segment_tokens
         )
         if not install_attention_hook(self.model):
             raise RuntimeError(f"{loaded.model_id}: its attention does not go through mlx-lm's "
@@ -208,7 +215,8 @@ class EngineCore:
         return [*self.prefilling, *self.batch.seqs]
 
     def _allocated_kv(self) -> int:
-        return self.store.reserved_bytes()
+        """KV memory that admitted requests hold (their segments), all allocated up front."""
+        return self.store.request_bytes()
 
     def _protected(self) -> frozenset[tuple[int, ...]]:
         keys = {s.prefix_key for s in [*self.waiting, *self.prefilling] if s.prefix_key}
@@ -480,8 +488,8 @@ class EngineCore:
             waiting=len(self.waiting),
             prefilling=len(self.prefilling),
             running=len(self.batch),
-            committed_bytes=kv.reserved_bytes,
-            kv_bytes=kv.reserved_bytes,
+            committed_bytes=kv.request_bytes,
+            kv_bytes=kv.request_bytes,
             kv_reserved_bytes=kv.reserved_bytes,
             kv_used_bytes=kv.used_bytes,
             kv_pool_bytes=kv.pool_bytes,

@@ -129,8 +129,8 @@ class PrefixCache:
         self._enforce_limits()
 
     def evictable_bytes(self, protect: frozenset[TokenKey] = frozenset()) -> int:
-        """What evicting every unprotected entry would free: blocks no request shares."""
-        return sum(self.store.freeable_bytes(e.prefix) for k, e in self._entries.items() if k not in protect)
+        """Device memory that evicting every unprotected entry would return."""
+        return self.store.freeable_bytes([e.prefix for k, e in self._entries.items() if k not in protect])
 
     def evict(self, nbytes: int, protect: frozenset[TokenKey] = frozenset()) -> int:
         """Evict least-recently-used entries (never those in `protect`) until `nbytes` are freed."""
@@ -138,8 +138,9 @@ class PrefixCache:
         for key in [k for k in self._entries if k not in protect]:
             if freed >= nbytes:
                 break
-            freed += self.store.freeable_bytes(self._entries[key].prefix)
+            pool = self.store.pool_bytes()
             self._drop(key)
+            freed += pool - self.store.pool_bytes()
             self.evictions += 1
         return freed
 

@@ -81,9 +81,10 @@ def plain_decode(
     q: mx.array, keys: mx.array, values: mx.array, g: DecodeGroup, scale: float, block_size: int
 ) -> mx.array:
     """Gather this group's slots of one layer, then one masked SDPA (CPU, Metal, reference)."""
-    read, mask = g.plain_indices(block_size)
-    k = keys[read].transpose(0, 2, 1, 3)  # [Bg, L, H, D] -> [Bg, H, L, D]
-    v = values[read].transpose(0, 2, 1, 3)
+    slots, heads, dim = keys.shape
+    read, mask = g.plain_indices(block_size, heads)
+    k = keys.reshape(slots * heads, dim)[read]  # [Bg, H, L, D]
+    v = values.reshape(slots * heads, dim)[read]
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 

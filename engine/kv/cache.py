@@ -72,15 +72,19 @@ class DecodeGroup:
     table: mx.array  # [Bg, NB] int32 block tables, zero-padded
     lengths: mx.array  # [Bg] int32 tokens each row attends to, the new one included
     max_length: int
-    read: mx.array | None = None  # [Bg, L] slots, built lazily for the plain path
+    read: mx.array | None = None  # [Bg, H, L] rows of the pool, built lazily (plain path)
     mask: mx.array | None = None
 
-    def plain_indices(self, block_size: int) -> tuple[mx.array, mx.array]:
+    def plain_indices(self, block_size: int, kv_heads: int) -> tuple[mx.array, mx.array]:
+        """Indices into the pool seen as [slots × H, D], so that one gather yields K in
+        SDPA's [B, H, L, D] layout directly (no transposed copy), and the length mask."""
         if self.read is None:
             nb = -(-self.max_length // block_size)
             table = self.table[:, :nb]
             within = mx.arange(block_size, dtype=mx.int32)
-            self.read = (table[:, :, None] * block_size + within[None, None, :]).reshape(table.shape[0], -1)
+            slots = (table[:, :, None] * block_size + within[None, None, :]).reshape(table.shape[0], -1)
+            heads = mx.arange(kv_heads, dtype=mx.int32)
+            self.read = slots[:, None, :] * kv_heads + heads[None, :, None]
             positions = mx.arange(nb * block_size, dtype=mx.int32)
             self.mask = (positions[None, :] < self.lengths[:, None])[:, None, None, :]
         assert self.mask is not None

@@ -63,6 +63,7 @@ class KVStoreStats:
     reserved_bytes: int  # blocks held by running/prefilling requests
     used_bytes: int  # tokens those requests have written so far
     pool_bytes: int  # all segments, free blocks included
+    request_bytes: int  # segments that hold requests, less their prefix-cache-only blocks
     bytes_per_token: int
     block_size: int
     segments: int
@@ -199,16 +200,43 @@ class KVStore:
         seg.blocks.release(list(prefix.blocks))
         self._drop_if_empty(seg)
 
-    def freeable_bytes(self, prefix: SharedPrefix) -> int:
-        """What dropping the hold would free: blocks no one else references."""
-        seg = self.segments.get(prefix.segment_id)
-        if seg is None:
-            return 0
-        return sum(self.block_bytes for b in prefix.blocks if seg.blocks.refs(b) == 1)
-
     # ---- accounting ------------------------------------------------------------------
     def reserved_bytes(self) -> int:
         return sum(a.capacity for a in self.requests.values()) * self.block_bytes
+
+    def pool_bytes(self) -> int:
+        return sum(s.nbytes for s in self.segments.values())
+
+    def request_bytes(self) -> int:
+        """Device memory held on behalf of requests: every segment a request lives in,
+        free blocks included (they exist because of it), less the blocks only the prefix
+        cache holds. With no request admitted it is zero."""
+        per_seg: dict[int, set[int]] = {}
+        for a in self.requests.values():
+            per_seg.setdefault(a.segment.id, set()).update(a.table)
+        total = 0
+        for seg_id, blocks in per_seg.items():
+            seg = self.segments[seg_id]
+            prefix_only = seg.blocks.used - len(blocks)
+            total += seg.nbytes - prefix_only * self.block_bytes
+        return total
+
+    def freeable_bytes(self, prefixes: list[SharedPrefix]) -> int:
+        """Device memory that dropping these prefix holds would return: the segments
+        they would leave empty. Blocks freed inside a live segment only make room there."""
+        drops: dict[int, dict[int, int]] = {}
+        for p in prefixes:
+            counts = drops.setdefault(p.segment_id, {})
+            for b in p.blocks:
+                counts[b] = counts.get(b, 0) + 1
+        total = 0
+        for seg_id, counts in drops.items():
+            seg = self.segments.get(seg_id)
+            if seg is None:
+                continue
+            if sum(1 for b, n in counts.items() if seg.blocks.refs(b) == n) == seg.blocks.used:
+                total += seg.nbytes
+        return total
 
     def stats(self) -> KVStoreStats:
         reserved = self.reserved_bytes()
@@ -218,6 +246,7 @@ class KVStore:
             reserved_bytes=reserved,
             used_bytes=used,
             pool_bytes=pool,
+            request_bytes=self.request_bytes(),
             bytes_per_token=self.geometry.bytes_per_token,
             block_size=self.block_size,
             segments=len(self.segments),
