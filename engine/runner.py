@@ -3,9 +3,15 @@
 KV lives in the engine's `KVStore`; the runner only names which request's blocks a call
 reads and writes. A request joins the batch with no model call of its own: its last
 prompt token is simply its input in the next decode step, whose sample is its first
-output token. Step n+1 is queued with `mx.async_eval` before step n's tokens are read
-back, so the device never waits on Python bookkeeping; sampling stays one call of
-`BatchSampler` on the step's [B, vocab] logits with per-row parameters.
+output token. Sampling stays one call of `BatchSampler` on the step's [B, vocab] logits
+with per-row parameters.
+
+Pipelining. Step n+1's graph is built while step n runs on the device. By default it is
+queued (`mx.async_eval`) only once step n's tokens are back: MLX decides at queue time
+whether a slice update may write in place, and a buffer that in-flight work still
+references is copied instead, so queueing the writes of step n+1 while step n still
+reads the pool would copy the pool's layer arrays every step. `overlap=True` queues
+first (mlx-lm's order); `bench/kv_store.py` measures both.
 """
 
 from __future__ import annotations
@@ -30,9 +36,10 @@ class StepToken:
 
 
 class Runner:
-    def __init__(self, model: Any, store: KVStore) -> None:
+    def __init__(self, model: Any, store: KVStore, *, overlap: bool = False) -> None:
         self.model = model
         self.store = store
+        self.overlap = overlap
         self.seqs: list[Sequence] = []  # the batch; rows [0, len(pending)) have a token in flight
         self.pending: SampledStep | None = None
         self.fresh: list[int] = []  # last prompt token of each row that joined since the last step
@@ -71,14 +78,17 @@ class Runner:
         logits = self.model(inputs[:, None], cache=caches)[:, -1, :]
         steps = [s.generated + (1 if i < n_current else 0) for i, s in enumerate(self.seqs)]
         self.pending = self.sampler.sample(logits, steps)
-        mx.async_eval(*self.pending.arrays())
         for s in self.seqs:
             self.store.advance(s.request_id, 1)
         self.fresh = []
+        if current is None or self.overlap:
+            mx.async_eval(*self.pending.arrays())
         if current is None:
             return []
         emitting = self.seqs[:n_current]
         tokens = current.tokens.tolist()
+        if not self.overlap:
+            mx.async_eval(*self.pending.arrays())
         logprobs = _read_logprobs(current, emitting)
         return [
             StepToken(seq, tok, logprobs[i] if logprobs else None)
