@@ -37,7 +37,7 @@ def use_kernel(enabled: bool | None) -> None:
 def kernel_active() -> bool:
     if _kernel_enabled is not None:
         return _kernel_enabled
-    return bool(mx.cuda.is_available()) and mx.default_device() == mx.gpu
+    return bool(mx.cuda.is_available()) and mx.default_device().type == mx.gpu
 
 
 def paged_scaled_dot_product_attention(
