@@ -50,7 +50,7 @@ _SOURCE = r"""
             qv[r][e] = static_cast<float>(qp[e]) * sc;
             acc[r][e] = 0.f;
         }
-        m[r] = -inf;
+        m[r] = NEG_INF;
         l[r] = 0.f;
     }
 
@@ -98,12 +98,12 @@ _SOURCE = r"""
     for (int idx = threadIdx.x; idx < REP * D; idx += blockDim.x) {
         const int r = idx / D;
         const int d = idx % D;
-        float mm = -inf;
+        float mm = NEG_INF;
         #pragma unroll
         for (int w = 0; w < WARPS; ++w) mm = fmaxf(mm, sm_m[w][r]);
         float ll = 0.f;
         float a = 0.f;
-        if (mm > -inf) {
+        if (mm > NEG_INF) {
             #pragma unroll
             for (int w = 0; w < WARPS; ++w) {
                 const float wt = __expf(sm_m[w][r] - mm);
@@ -120,6 +120,8 @@ _SOURCE = r"""
     }
 """
 
+_HEADER = "#define NEG_INF (-__int_as_float(0x7f800000))\n"
+
 _kernel: Any = None
 _scales: dict[float, mx.array] = {}
 
@@ -132,6 +134,7 @@ def _get_kernel() -> Any:
             input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale"],
             output_names=["out", "out_m", "out_l"],
             source=_SOURCE,
+            header=_HEADER,
         )
     return _kernel
 
