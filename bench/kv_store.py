@@ -93,10 +93,11 @@ def batchkv_path(model: Any, ref: list[KVCache], lengths: list[int], steps: int)
     return {"ms": round(sec * 1e3, 2), "peak_step_mib": round(peak, 1), "kv_mib": round(kv_bytes / 2**20, 1)}
 
 
-def filled_store(model: Any, ref: list[KVCache], lengths: list[int], steps: int) -> tuple[KVStore, list]:
+def filled_store(model: Any, ref: list[KVCache], lengths: list[int], steps: int,
+                 slack: int = 1) -> tuple[KVStore, list]:
     g = geometry_from_model(model)
     dtype = ref[0].keys.dtype
-    need = sum(n + steps + 32 for n in lengths)
+    need = sum(n + steps + 32 for n in lengths) * slack
     store = KVStore(KVGeometry(g.num_layers, g.num_kv_heads, g.head_dim, dtype), segment_tokens=need)
     allocs = []
     for i, n in enumerate(lengths):
@@ -138,8 +139,26 @@ def store_path(model: Any, store: KVStore, allocs: list, steps: int, kernel: boo
             "pool_layer_array_mib": round(layer_array / 2**20, 1)}
 
 
-def logits_agreement(model: Any, store: KVStore, allocs: list) -> dict[str, float]:
-    """One step's logits through the kernel and through the plain path (same KV, same tokens)."""
+def batchkv_logits(model: Any, ref: list[KVCache], lengths: list[int]) -> mx.array:
+    rows = []
+    for n in lengths:
+        row = []
+        for c in ref:
+            k = KVCache()
+            k.keys, k.values, k.offset = c.keys[..., :n, :], c.values[..., :n, :], n
+            row.append(k)
+        rows.append(row)
+    cache = [BatchKVCache.merge([r[layer] for r in rows]) for layer in range(len(ref))]
+    y = mx.arange(len(lengths), dtype=mx.uint32)
+    out = model(y[:, None], cache=cache)[:, -1, :].astype(mx.float32)
+    mx.eval(out)
+    return out
+
+
+def logits_agreement(model: Any, store: KVStore, allocs: list,
+                     reference: mx.array | None = None) -> dict[str, float]:
+    """One step's logits through the kernel and through the plain path (same KV, same tokens),
+    and each against the left-padded BatchKVCache path when `reference` is given."""
     layers = store.geometry.num_layers
     y = mx.arange(len(allocs), dtype=mx.uint32)
     outs = {}
@@ -149,11 +168,32 @@ def logits_agreement(model: Any, store: KVStore, allocs: list) -> dict[str, floa
         outs[name] = model(y[:, None], cache=decode_caches(plan, layers))[:, -1, :].astype(mx.float32)
         mx.eval(outs[name])
     use_kernel(None)
-    diff = mx.abs(outs["kernel"] - outs["plain"])
-    same = mx.mean(mx.argmax(outs["kernel"], -1) == mx.argmax(outs["plain"], -1))
-    return {"logits_max_abs_diff": float(mx.max(diff).item()),
-            "logits_scale": float(mx.max(mx.abs(outs["plain"])).item()),
-            "argmax_agreement": float(same.item())}
+    if reference is not None:
+        outs["batchkv"] = reference
+    res: dict[str, float] = {"logits_scale": float(mx.max(mx.abs(outs["plain"])).item())}
+    names = list(outs)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            res[f"{a}_vs_{b}_max_abs_diff"] = float(mx.max(mx.abs(outs[a] - outs[b])).item())
+            res[f"{a}_vs_{b}_argmax_agreement"] = float(
+                mx.mean(mx.argmax(outs[a], -1) == mx.argmax(outs[b], -1)).item())
+    return res
+
+
+def donation_probe(model: Any, ref: list[KVCache], lengths: list[int], steps: int) -> dict[str, Any]:
+    """Decode with a pool whose layer arrays are large (8x slack): a copy of one would lift
+    the step's peak by at least its size. Both queue orders."""
+    store, allocs = filled_store(model, ref, lengths, steps, slack=8)
+    out = {}
+    for overlap in (False, True):
+        r = store_path(model, store, allocs, steps, kernel=kernel_active_default(), overlap=overlap)
+        r["copied_a_layer_array"] = r["peak_step_mib"] >= r["pool_layer_array_mib"]
+        out["overlap" if overlap else "ordered"] = r
+    return out
+
+
+def kernel_active_default() -> bool:
+    return bool(mx.cuda.is_available())
 
 
 def kernel_vs_plain(dtype: mx.Dtype, batch: int, heads: int, kv_heads: int, dim: int, lengths: list[int],
@@ -225,11 +265,13 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--out")
+    p.add_argument("--probe", action="store_true", help="also run the donation probe")
+    p.add_argument("--no-kernel-checks", action="store_true")
     args = p.parse_args()
     cuda = mx.cuda.is_available()
     results: dict[str, Any] = {"device": str(mx.default_device()), "cuda": cuda, "model": args.model,
                                "dtype": args.dtype, "context": args.context, "steps": args.steps}
-    if cuda:
+    if cuda and not args.no_kernel_checks:
         checks = []
         for dt in (mx.float32, mx.bfloat16, mx.float16):
             checks.append(kernel_vs_plain(dt, 5, 32, 8, 128, [1, 17, 300, 1024, 4099]))
@@ -255,10 +297,14 @@ def main() -> None:
             row["store_kernel"] = store_path(model, store, allocs, args.steps, kernel=True)
             row["store_kernel_overlap"] = store_path(model, store, allocs, args.steps, kernel=True,
                                                      overlap=True)
-            row["kernel_check"] = logits_agreement(model, store, allocs)
+            row["kernel_check"] = logits_agreement(model, store, allocs,
+                                                   batchkv_logits(model, ref, lengths))
         row["store_plain"] = store_path(model, store, allocs, args.steps, kernel=False)
         del store, allocs
         mx.clear_cache()
+        if args.probe:
+            row["donation_probe"] = donation_probe(model, ref, lengths, args.steps)
+            mx.clear_cache()
         rows.append(row)
         print(json.dumps(row), flush=True)
     results["steps_by_batch"] = rows

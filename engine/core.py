@@ -46,6 +46,7 @@ class EngineConfig:
     min_chunk_tokens: int = 32
     kv_block_size: int = 16
     kv_segment_tokens: int | None = None  # None: sized from the model (engine.kv.store)
+    decode_overlap: bool | None = None  # None: on for GPUs, off on the CPU (engine.runner)
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,10 @@ class EngineCore:
         self.prefix_cache = PrefixCache(
             self.store, max_bytes=config.prefix_cache_bytes, max_entries=config.prefix_cache_entries
         )
-        self.batch = Runner(self.model, self.store)
+        overlap = config.decode_overlap
+        if overlap is None:
+            overlap = loaded.backend != "cpu"
+        self.batch = Runner(self.model, self.store, overlap=overlap)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
         self.inbox: queue.SimpleQueue[_Submit | _Abort | _Call | None] = queue.SimpleQueue()

@@ -10,8 +10,9 @@ Pipelining. Step n+1's graph is built while step n runs on the device. By defaul
 queued (`mx.async_eval`) only once step n's tokens are back: MLX decides at queue time
 whether a slice update may write in place, and a buffer that in-flight work still
 references is copied instead, so queueing the writes of step n+1 while step n still
-reads the pool would copy the pool's layer arrays every step. `overlap=True` queues
-first (mlx-lm's order); `bench/kv_store.py` measures both.
+reads the pool would copy the pool's layer arrays every step (measured on the CPU: 5x
+slower). `overlap=True` queues first (mlx-lm's order); `bench/kv_store.py` measures both,
+and the engine picks per backend (`EngineConfig.decode_overlap`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ class Runner:
         start = alloc.length
         chunk = mx.array(seq.request.prompt_tokens[start : start + tokens])[None]
         self.model(chunk, cache=prefill_caches(self.store, alloc, tokens))
+        # The chunk writes into a segment the queued decode step may still read: let that
+        # step finish first, or MLX would copy the segment's arrays instead of writing.
+        if self.pending is not None:
+            mx.eval(*self.pending.arrays())
         mx.eval(alloc.segment.arrays())
         self.store.advance(seq.request_id, tokens)
 
