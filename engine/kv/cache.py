@@ -5,8 +5,9 @@ cache.update_and_fetch(k, v)``, then ``scaled_dot_product_attention(q, keys, val
 cache=cache, ...)``. These objects keep that contract:
 
 - `PrefillCache` (one request, a chunk of T tokens): writes the chunk into the request's
-  blocks and returns that request's own K/V gathered contiguous, so the model's ordinary
-  (fused where available) causal attention runs on it. Only this request's memory moves.
+  blocks and returns that request's own K/V gathered contiguous in SDPA's [1, H, L, D]
+  layout, so the model's ordinary (fused where available) causal attention runs on it.
+  Only this request's memory moves, one layer at a time.
 - `DecodeCache` (the batch, one token per row): writes each row's token into its own
   block, returns its inputs untouched, and answers attention itself through the rebound
   `scaled_dot_product_attention` (`engine.kv.attention`), which reads the pool through
@@ -40,9 +41,10 @@ class PrefillCache:
         seg.keys[layer][self._write] = k
         seg.values[layer][self._write] = v
         self.offset += keys.shape[2]
+        slots, heads, dim = seg.keys[layer].shape
         return (
-            seg.keys[layer][self._read].transpose(1, 0, 2)[None],
-            seg.values[layer][self._read].transpose(1, 0, 2)[None],
+            seg.keys[layer].reshape(slots * heads, dim)[self._read][None],
+            seg.values[layer].reshape(slots * heads, dim)[self._read][None],
         )
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
@@ -55,7 +57,11 @@ def prefill_caches(store: KVStore, alloc: Allocation, tokens: int) -> list[Prefi
     """Caches for running the request's next `tokens` prompt tokens after `alloc.length`."""
     start = alloc.length
     write = slots_of(alloc.table, store.block_size, start + tokens, start=start)
-    read = slots_of(alloc.table, store.block_size, start + tokens)
+    heads = store.geometry.num_kv_heads
+    # rows of the pool seen as [slots × H, D], ordered head-major: one gather gives [H, L, D]
+    read = slots_of(alloc.table, store.block_size, start + tokens)[None, :] * heads + mx.arange(
+        heads, dtype=mx.int32
+    )[:, None]
     return [
         PrefillCache(alloc.segment, layer, start, write, read)
         for layer in range(store.geometry.num_layers)
