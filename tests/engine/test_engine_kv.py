@@ -129,3 +129,24 @@ def test_a_prefix_hit_shares_the_cached_blocks(make_engine):
     fresh.run_until(lambda: "b" in fresh.out.finished)
     assert h.out.tokens["b"] == fresh.out.tokens["b"]
     assert h.out.logprobs["b"] == pytest.approx(fresh.out.logprobs["b"], abs=1e-4)
+
+
+def test_an_abort_stops_the_request_at_once_and_frees_its_blocks(make_engine):
+    h = make_engine(prefill_step_size=512, prefix_cache_bytes=0)
+    for i in range(3):
+        h.submit(request(f"x{i}", 50, 200, seed=400 + i))
+    h.run_until(lambda: all(len(h.out.tokens.get(f"x{i}", [])) >= 5 for i in range(3)))
+    store = h.core.store
+    reserved = store.reserved_bytes()
+    own = store.get("x1").capacity * store.block_bytes
+    emitted = len(h.out.tokens["x1"])
+    others = {r: len(h.out.tokens[r]) for r in ("x0", "x2")}
+    generated = h.core.stats.generated_tokens
+    h.abort("x1")
+    assert store.reserved_bytes() == reserved - own  # released when the abort is taken
+    for _ in range(10):
+        h.step()
+    assert h.out.finished["x1"] == "abort"
+    assert len(h.out.tokens["x1"]) == emitted  # not one token after the abort
+    assert all(len(h.out.tokens[r]) == n + 10 for r, n in others.items())
+    assert h.core.stats.generated_tokens - generated == 20  # only the two left decode
