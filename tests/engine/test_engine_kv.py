@@ -10,6 +10,9 @@ import mlx.core as mx
 import pytest
 
 from engine import EngineRequest, SamplingParams
+from memory import MemoryGuard
+from memory.ceiling import Tier
+from memory.probes.allocator import AllocatorProbe
 
 GREEDY = SamplingParams(temperature=0.0, logprobs=True)
 
@@ -150,3 +153,28 @@ def test_an_abort_stops_the_request_at_once_and_frees_its_blocks(make_engine):
     assert len(h.out.tokens["x1"]) == emitted  # not one token after the abort
     assert all(len(h.out.tokens[r]) == n + 10 for r, n in others.items())
     assert h.core.stats.generated_tokens - generated == 20  # only the two left decode
+
+
+def test_a_queued_prefill_is_preempted_when_the_head_cannot_go_on(make_engine):
+    """Three long prompts prefill, none decodes; the ceiling drops (a new setting) so the
+    head's next chunk no longer fits beside the others' KV. Nothing would ever free memory,
+    so the youngest prefill is sent back (its blocks released), and every prompt completes."""
+    gc.collect()
+    mx.clear_cache()
+    guard = MemoryGuard(AllocatorProbe(), enabled=True, tier=Tier.CUSTOM, custom_ceiling_bytes=1 << 40)
+    h = make_engine(guard, prefill_step_size=64, kv_segment_tokens=16, prefix_cache_bytes=0,
+                    wait_timeout_s=120)
+    for i in range(3):
+        h.submit(request(f"p{i}", 1200, 4, seed=500 + i))
+    h.step()
+    assert len(h.core.prefilling) == 3 and not h.core.batch.seqs
+    store = h.core.store
+    one = store.get("p2").capacity * store.block_bytes
+    mx.clear_cache()
+    usage = guard.snapshot().footprint_bytes
+    guard.configure(ceiling_bytes=usage - one + (4 << 20))
+    h.run_until(lambda: len(h.out.finished) == 3)
+    assert h.core.stats.preemptions > 0
+    assert h.out.finished == {"p0": "length", "p1": "length", "p2": "length"}
+    assert all(len(h.out.tokens[f"p{i}"]) == 4 for i in range(3))
+    assert store.reserved_bytes() == 0

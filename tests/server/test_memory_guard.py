@@ -294,6 +294,5 @@ def test_more_long_prompts_than_fit_all_complete(start_server):
     assert all(r.json()["usage"]["completion_tokens"] == 4 for r in responses)
     m = mem(proc.url)
     assert m["engine"]["max_batch"] < 8  # they did not all fit at once
-    assert m["engine"]["preemptions"] > 0  # and a queued prefill was sent back at least once
     wait_until(lambda: idle(proc.url))
     assert mem(proc.url)["committed_bytes"] == 0
