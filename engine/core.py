@@ -46,7 +46,7 @@ class EngineConfig:
     min_chunk_tokens: int = 32
     kv_block_size: int = 16
     kv_segment_tokens: int | None = None  # None: sized from the model (engine.kv.store)
-    decode_overlap: bool | None = None  # None: on for GPUs, off on the CPU (engine.runner)
+    decode_overlap: bool | None = None  # None: on for CUDA (measured safe), off elsewhere (engine.runner)
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ class EngineCore:
         )
         overlap = config.decode_overlap
         if overlap is None:
-            overlap = loaded.backend != "cpu"
+            overlap = loaded.backend == "cuda"
         self.batch = Runner(self.model, self.store, overlap=overlap)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
