@@ -9,8 +9,9 @@ take tokens in turn, one token per warp step (each lane holds D/32 elements, so 
 rows are read coalesced), and serve all the query heads of that KV head (GQA) at once.
 Each block keeps a running max / sum / weighted V (online softmax), the warps are merged
 in shared memory, and the partitions are merged by a few MLX ops (log-sum-exp weights).
-Tokens per partition come from a small fixed set, so lengths that grow every step never
-recompile the kernel.
+Tokens per partition come from a small fixed set and reach the kernel as an input, not a
+template constant: lengths that grow and batches that change never recompile it (each
+NVRTC compile costs a second or more in the middle of serving).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ _SOURCE = r"""
     const int lane = threadIdx.x % 32;
     const int nb = table_shape[1];
     const int len = lengths[b];
+    const int PART = part[0];
     const int start = p * PART;
     const int end = min(len, start + PART);
     const float sc = scale[0];
@@ -124,6 +126,7 @@ _HEADER = "#define NEG_INF (-__int_as_float(0x7f800000))\n"
 
 _kernel: Any = None
 _scales: dict[float, mx.array] = {}
+_parts: dict[int, mx.array] = {}
 
 
 def _get_kernel() -> Any:
@@ -131,7 +134,7 @@ def _get_kernel() -> Any:
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(
             name="headroom_paged_decode",
-            input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale"],
+            input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale", "part"],
             output_names=["out", "out_m", "out_l"],
             source=_SOURCE,
             header=_HEADER,
@@ -168,10 +171,13 @@ def paged_decode(
     sc = _scales.get(scale)
     if sc is None:
         sc = _scales[scale] = mx.array([scale], dtype=mx.float32)
+    pt = _parts.get(part)
+    if pt is None:
+        pt = _parts[part] = mx.array([part], dtype=mx.int32)
     out, m, l_sum = _get_kernel()(
-        inputs=[q.reshape(b, hq, d), k_pool, v_pool, table, lengths, sc],
+        inputs=[q.reshape(b, hq, d), k_pool, v_pool, table, lengths, sc, pt],
         template=[("T", q.dtype), ("D", d), ("H", h), ("REP", rep), ("BS", block_size),
-                  ("PART", part), ("WARPS", WARPS)],
+                  ("WARPS", WARPS)],
         grid=(32 * WARPS * b * h, parts, 1),
         threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[(b, hq, parts, d), (b, hq, parts), (b, hq, parts)],
