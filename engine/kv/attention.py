@@ -10,7 +10,8 @@ Backends. One group of rows (the rows living in one segment) is attended either 
 the CUDA paged kernel (`engine.kv.cuda_decode`, reads the pool through block tables), or
 by the plain-MLX fallback beside it: gather that group's slots for one layer, then one
 masked `mx.fast.scaled_dot_product_attention`. The fallback serves the CPU and Metal
-(no Metal kernel ships yet) and is the reference the kernel is tested against.
+(no Metal kernel ships yet), CUDA shapes the kernel does not take (head_dim not a multiple
+of 32), and is the reference the kernel is tested against.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def decode_attention(queries: mx.array, cache: DecodeCache, scale: float) -> mx.
 
 def _attend_group(q: mx.array, g: DecodeGroup, layer: int, scale: float, block_size: int) -> mx.array:
     keys, values = g.segment.keys[layer], g.segment.values[layer]
-    if kernel_active():
+    if kernel_active() and q.shape[-1] % 32 == 0 and q.shape[1] % keys.shape[1] == 0:
         from engine.kv.cuda_decode import paged_decode
 
         return paged_decode(q, keys, values, g.table, g.lengths, g.max_length, scale, block_size)
