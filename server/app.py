@@ -20,6 +20,7 @@ from server.errors import install_error_handlers
 from server.limits import BodyLimitMiddleware
 from server.metrics import Metrics
 from server.metrics import router as metrics_router
+from server.model_fit import LoadAdmission
 from server.openai_routes import router as openai_router
 from server.settings import Settings
 from server.state import ServerState
@@ -54,6 +55,7 @@ def create_app(
     *,
     probe: Probe | None = None,
     load: Callable[[], LoadedModel] | None = None,
+    load_admission: LoadAdmission | None = None,
 ) -> FastAPI:
     settings = settings or Settings()
     guard = make_guard(settings, probe)
@@ -64,7 +66,7 @@ def create_app(
         config=engine_config(settings),
         max_queue=settings.max_queue,
     )
-    state = ServerState(settings=settings, engine=engine, guard=guard)
+    state = ServerState(settings=settings, engine=engine, guard=guard, load_admission=load_admission)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -59,7 +59,14 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-prompts", action="store_true", default=None,
                        help="put prompt and completion text in the access log")
     serve.add_argument("--log-level")
+    serve.add_argument("--reserve-context-tokens", type=int,
+                       help="tokens of context the model must have room for to load (default 8192)")
+    serve.add_argument("--force-load", action="store_true", default=None,
+                       help="load the model even when weights + reserve exceed the ceiling")
     sub.add_parser("build-default-model", help="build the embedded default model and print its path")
+    from server.doctor import add_doctor_parser
+
+    add_doctor_parser(sub)
     return parser
 
 
@@ -77,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print(ensure_default_model())
         return 0
+    if args.command == "doctor":
+        from server.doctor import run_doctor
+
+        return run_doctor(args)
     settings = settings_from_args(args)
     from server.auth import startup_problem
 
@@ -86,9 +97,16 @@ def main(argv: list[str] | None = None) -> int:
     from server.access_log import configure_logging
 
     configure_logging(settings.log_level)
+    from server.model_fit import EXIT_DOES_NOT_FIT, LoadRefused, admit_load
+
+    try:
+        load_admission = admit_load(settings)
+    except LoadRefused as exc:
+        print(f"mlx-headroom: not loading {settings.public_model_name}: {exc}", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
     from server.app import create_app
 
-    app = create_app(settings)
+    app = create_app(settings, load_admission=load_admission)
     config = uvicorn.Config(
         app,
         host=settings.host,

@@ -43,6 +43,13 @@ class Settings(BaseSettings):
     prefix_cache_bytes: int = Field(2 * GiB, ge=0)
     prefix_cache_entries: int = Field(16, ge=0)
 
+    # load admission (issue 15)
+    reserve_context_tokens: int = Field(
+        8192, ge=1, description="context to reserve KV for when admitting the model at load "
+        "(capped at the model's context)"
+    )
+    force_load: bool = Field(False, description="load even when the reserve does not fit")
+
     # service
     api_key: str | None = None
     admin_key: str | None = None

@@ -1,0 +1,422 @@
+"""Does a model fit, and how much work fits beside it: computed before its weights are read.
+
+One computation serves load admission (``serve`` refuses a model that does not fit) and
+``mlx-headroom doctor`` (what fits on this machine), so the two can never disagree.
+
+The numbers follow the engine's admission arithmetic (``engine/admission.py``) for one
+request at a time, with an empty prefix cache:
+
+- a request of P prompt tokens and M output tokens *reserves* the KV of P + M tokens
+  (256-token steps) plus one layer's copy for the growth step;
+- every prefill chunk is predicted by :func:`~memory.estimate.estimate_prefill` times the
+  tracker's margin, and the last chunk adds the join's copy of the prompt's KV;
+- a chunk that does not fit is halved down to the floor before the request is refused,
+  and a request whose full-size first chunk does not fit is still admitted when a
+  floor-sized one does.
+
+Usage before the model loads (``baseline_bytes``) is the process's own usage as the probe
+counts it: the interpreter and libraries on Linux and macOS, nothing with the allocator
+probe. The tracker can only raise predictions above the static estimate (it learns from
+measured chunks); the estimate is an upper bound of those on the CPU, so in practice it
+does not.
+
+**Load admission** walks a prompt of ``reserve_tokens`` through that admission just after
+loading: the model loads when that prompt would be admitted, and the refusal gives its
+numbers (baseline + weights + the prompt's KV reservation + its worst prefill chunk).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ._units import MiB
+from ._units import format_bytes as fb
+from .ceiling import Ceiling
+from .estimate import ModelGeometry, estimate_prefill, kv_cache_bytes
+from .tracker import DEFAULT_MARGIN
+from .weights import Quantization, WeightInventory
+
+CONCURRENCY_PROMPTS = (1024, 8192, 32768)
+QUANTIZATION_OPTIONS = (Quantization(8), Quantization(4))
+KV_STEP_SLOTS = 256  # KVCache's growth step
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the fit needs to know about a model: shape, weight bytes, context length."""
+
+    name: str
+    geometry: ModelGeometry
+    weights: WeightInventory
+    context_length: int
+    weights_source: str  # how the weights were counted, for the report
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.weights.total_bytes
+
+
+@dataclass(frozen=True)
+class EngineParams:
+    """The engine settings that shape admission (mirrors ``EngineConfig``)."""
+
+    chunk_tokens: int = 512
+    min_chunk_tokens: int = 32
+    backend: str = "cpu"
+    margin: float = DEFAULT_MARGIN
+
+
+def reservation_bytes(geometry: ModelGeometry, final_lens: Sequence[int]) -> int:
+    """KV a decode batch reaches when every row runs to its final length: rows × the
+    longest (the batch is left-padded), plus one layer's copy for the growth step."""
+    if not final_lens:
+        return 0
+    full = kv_cache_bytes(geometry, max(final_lens), batch=len(final_lens))
+    return full + full // max(geometry.num_layers, 1)
+
+
+def chunk_bytes(geometry: ModelGeometry, tokens: int, context: int, params: EngineParams) -> int:
+    """A prefill chunk's predicted transient bytes, as the engine's tracker predicts them
+    before it has measured anything: the static estimate times the margin."""
+    static = estimate_prefill(
+        geometry, chunk_tokens=max(tokens, 1), context_tokens=context, batch=1,
+        backend=params.backend,
+    ).total_bytes
+    return math.ceil(float(static) * params.margin)
+
+
+def largest_chunk_bytes(
+    geometry: ModelGeometry, prompt_tokens: int, params: EngineParams, batch_kv_bytes: int = 0
+) -> int:
+    """The largest full-size chunk of a prompt's prefill; the last one includes the join
+    (the prompt's KV copied into the batch, and two layers of the batch's)."""
+    remaining = max(prompt_tokens - 1, 0)
+    if remaining == 0:
+        return chunk_bytes(geometry, 1, 0, params) + _join_bytes(geometry, prompt_tokens, batch_kv_bytes)
+    worst, done = 0, 0
+    while done < remaining:
+        tokens = min(params.chunk_tokens, remaining - done)
+        predicted = chunk_bytes(geometry, tokens, done, params)
+        if done + tokens >= remaining:
+            predicted += _join_bytes(geometry, prompt_tokens, batch_kv_bytes)
+        worst = max(worst, predicted)
+        done += tokens
+    return worst
+
+
+def _join_bytes(geometry: ModelGeometry, prompt_tokens: int, batch_kv_bytes: int) -> int:
+    return kv_cache_bytes(geometry, prompt_tokens) + 2 * batch_kv_bytes // max(geometry.num_layers, 1)
+
+
+def _grown_slots(slots: int, offset: int, new: int) -> int:
+    """KV slots a ``KVCache`` holds after adding ``new`` tokens at ``offset`` (it grows by
+    concatenating whole 256-token steps, after trimming a partly used last step)."""
+    if slots and offset + new <= slots:
+        return slots
+    steps = -(-new // KV_STEP_SLOTS) * KV_STEP_SLOTS
+    if slots and offset % KV_STEP_SLOTS:
+        slots = offset
+    return slots + steps
+
+
+@dataclass(frozen=True)
+class RequestWalk:
+    """One request walked through admission: admitted or not, and its worst step."""
+
+    admitted: bool
+    reserved_bytes: int  # the KV reservation of prompt + max_tokens
+    peak_bytes: int  # the largest need of any step; when refused, the refused step's need
+    peak_chunk_tokens: int  # the chunk at that step
+
+
+def walk_single_request(
+    geometry: ModelGeometry,
+    *,
+    prompt_tokens: int,
+    max_tokens: int,
+    usage_bytes: int,
+    ceiling_bytes: int,
+    params: EngineParams,
+) -> RequestWalk:
+    """Would the engine, idle with ``usage_bytes`` in use, run this request to the end of
+    its prefill? Walks its admission step by step (see the module docstring)."""
+    g, hard = geometry, ceiling_bytes
+    remaining = max(prompt_tokens - 1, 0)
+    reserved = reservation_bytes(g, [prompt_tokens + max_tokens])
+    per_token = g.kv_bytes_per_token
+    join = kv_cache_bytes(g, prompt_tokens)
+    peak, peak_tokens = 0, 0
+
+    def refused(need: int, tokens: int) -> RequestWalk:
+        return RequestWalk(False, reserved, need, tokens)
+
+    first = max(min(params.chunk_tokens, remaining), 1)
+    need = usage_bytes + reserved + chunk_bytes(g, first, 0, params) + (join if first >= remaining else 0)
+    if need > hard:
+        floor = max(min(params.min_chunk_tokens, remaining), 1)
+        need = usage_bytes + reserved + chunk_bytes(g, floor, 0, params)
+        if need > hard:
+            return refused(need, floor)
+
+    processed = slots = 0
+    while processed < remaining:
+        allocated = slots * per_token
+        held = usage_bytes + allocated + max(reserved - allocated, 0)
+        tokens = min(params.chunk_tokens, remaining - processed)
+        while True:
+            predicted = chunk_bytes(g, tokens, processed, params)
+            if tokens >= remaining - processed:
+                predicted += join
+            need = held + predicted
+            if need <= hard:
+                break
+            if tokens <= params.min_chunk_tokens:
+                return refused(need, tokens)
+            tokens = max(tokens // 2, params.min_chunk_tokens)
+        if need > peak:
+            peak, peak_tokens = need, tokens
+        slots = _grown_slots(slots, processed, tokens)
+        processed += tokens
+    if remaining == 0:
+        peak, peak_tokens = need, 1
+    return RequestWalk(True, reserved, peak, peak_tokens)
+
+
+def _largest(fits: Callable[[int], bool], low: int, high: int) -> int:
+    """The largest n in [low, high] with fits(n), given fits(low) (binary search)."""
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+@dataclass(frozen=True)
+class LoadRequirement:
+    """What loading a model asks of the ceiling, by cause: room for one prompt of
+    ``reserve_tokens`` right after the weights."""
+
+    baseline_bytes: int  # in use before the weights (interpreter, libraries)
+    weight_bytes: int
+    reserve_tokens: int  # after capping at the model's context
+    reserve_kv_bytes: int
+    margin_bytes: int  # that prompt's largest prefill chunk (the last, with the join)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.baseline_bytes + self.weight_bytes + self.reserve_kv_bytes + self.margin_bytes
+
+    def describe(self) -> str:
+        return (
+            f"weights {fb(self.weight_bytes)} + KV for {self.reserve_tokens} reserved tokens "
+            f"{fb(self.reserve_kv_bytes)} + one prefill chunk {fb(self.margin_bytes)} + "
+            f"{fb(self.baseline_bytes)} already in use = {fb(self.total_bytes)}"
+        )
+
+
+def load_requirement(
+    spec: ModelSpec,
+    *,
+    reserve_tokens: int,
+    baseline_bytes: int,
+    ceiling_bytes: int,
+    params: EngineParams,
+) -> LoadRequirement:
+    """Walk a prompt of ``reserve_tokens`` (capped at the context) through admission just
+    after loading: its total is at most the ceiling exactly when that prompt is admitted
+    (the chunk is the one it would run at its worst step, or the one refused)."""
+    reserve = max(min(reserve_tokens, spec.context_length), 1)
+    walk = walk_single_request(
+        spec.geometry, prompt_tokens=reserve, max_tokens=0,
+        usage_bytes=baseline_bytes + spec.weight_bytes, ceiling_bytes=ceiling_bytes, params=params,
+    )
+    margin = walk.peak_bytes - baseline_bytes - spec.weight_bytes - walk.reserved_bytes
+    return LoadRequirement(
+        baseline_bytes=baseline_bytes,
+        weight_bytes=spec.weight_bytes,
+        reserve_tokens=reserve,
+        reserve_kv_bytes=walk.reserved_bytes,
+        margin_bytes=margin,
+    )
+
+
+@dataclass(frozen=True)
+class ConcurrencyFit:
+    prompt_tokens: int
+    max_tokens: int
+    requests: int  # how many such requests can run at once (0: none, or beyond the context)
+    beyond_context: bool
+
+
+@dataclass(frozen=True)
+class QuantizedOption:
+    quantization: Quantization
+    weight_bytes: int
+    fits: bool
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """The answer to "does it fit, and what fits beside it" for one model and ceiling."""
+
+    model: str
+    ceiling: Ceiling
+    load: LoadRequirement
+    max_tokens: int  # output tokens assumed per request
+    max_prompt_tokens: int  # longest prompt at concurrency 1 (0: none fits)
+    concurrency: tuple[ConcurrencyFit, ...]
+    max_reserve_tokens: int  # longest reserve that would let the model load (0: none)
+    quantized: tuple[QuantizedOption, ...]  # smaller quantizations and whether they fit
+    wired_limit_mb: int | None  # on macOS, when the wired limit binds: the value to set
+
+    @property
+    def fits(self) -> bool:
+        return self.load.total_bytes <= self.ceiling.hard_bytes
+
+    @property
+    def fits_at_all(self) -> bool:
+        """Whether weights and the smallest useful request (one token) fit."""
+        return self.max_prompt_tokens > 0
+
+    @property
+    def shortfall_bytes(self) -> int:
+        return max(self.load.total_bytes - self.ceiling.hard_bytes, 0)
+
+    def message(self) -> str:
+        """A paragraph with the numbers, the binding ceiling, and what would fit."""
+        c = self.ceiling
+        verdict = "fits" if self.fits else f"does not fit ({fb(self.shortfall_bytes)} over)"
+        lines = [
+            f"{self.model} {verdict}: {self.load.describe()}; the {c.describe()}."
+        ]
+        if not self.fits:
+            lines.append(self.advice())
+        return " ".join(lines)
+
+    def advice(self) -> str:
+        """What would fit instead, most direct first."""
+        options: list[str] = []
+        if 0 < self.max_reserve_tokens < self.load.reserve_tokens:
+            options.append(
+                f"a shorter reserve: --reserve-context-tokens {self.max_reserve_tokens} (or less)"
+            )
+        for q in self.quantized:
+            if q.fits:
+                options.append(f"a smaller quantization: {q.quantization} weights ({fb(q.weight_bytes)})")
+                break
+        if self.wired_limit_mb is not None:
+            options.append(
+                f"raise the GPU wired limit: sudo sysctl iogpu.wired_limit_mb={self.wired_limit_mb}"
+            )
+        if not options:
+            options.append("a machine with more memory, or a smaller model")
+        return "What would fit: " + "; ".join(options) + ". --force-load loads it anyway."
+
+
+def wired_limit_advice(ceiling: Ceiling, needed_bytes: int, *, macos: bool) -> int | None:
+    """On a Mac whose GPU wired limit binds: the ``iogpu.wired_limit_mb`` value to set.
+
+    Raising the wired limit only helps up to the next limit (the static reserve, the
+    dynamic reach), so the value is that limit, in MiB; None when the wired limit does not
+    bind, or when even that would not hold ``needed_bytes``.
+    """
+    if not macos or ceiling.binding != "device":
+        return None
+    others = [v for name, v in ceiling.components.items() if name != "device"]
+    if not others:
+        return None
+    target = min(others)
+    if target <= ceiling.hard_bytes or target < needed_bytes:
+        return None
+    return target // MiB
+
+
+def compute_fit(
+    spec: ModelSpec,
+    ceiling: Ceiling,
+    *,
+    baseline_bytes: int,
+    reserve_tokens: int,
+    max_tokens: int,
+    params: EngineParams,
+    macos: bool = False,
+    concurrency_prompts: Sequence[int] = CONCURRENCY_PROMPTS,
+) -> FitReport:
+    """Everything load admission and ``doctor`` report (pure: same inputs, same report)."""
+    g, hard = spec.geometry, ceiling.hard_bytes
+    load = load_requirement(
+        spec, reserve_tokens=reserve_tokens, baseline_bytes=baseline_bytes, ceiling_bytes=hard,
+        params=params,
+    )
+    usage = baseline_bytes + spec.weight_bytes
+    max_tokens = max(min(max_tokens, spec.context_length - 1), 1)
+
+    def admits(prompt: int, out: int = max_tokens) -> bool:
+        return walk_single_request(
+            g, prompt_tokens=prompt, max_tokens=out, usage_bytes=usage,
+            ceiling_bytes=hard, params=params,
+        ).admitted
+
+    longest_prompt = spec.context_length - max_tokens
+    max_prompt = _largest(admits, 1, longest_prompt) if longest_prompt >= 1 and admits(1) else 0
+
+    def reserve_admits(reserve: int) -> bool:
+        return admits(reserve, 0)
+
+    max_reserve = _largest(reserve_admits, 1, load.reserve_tokens) if reserve_admits(1) else 0
+    rounded = max_reserve - max_reserve % KV_STEP_SLOTS
+    if rounded and reserve_admits(rounded):
+        max_reserve = rounded
+
+    concurrency = tuple(
+        _concurrency(spec, prompt, max_tokens, usage, hard, params) for prompt in concurrency_prompts
+    )
+    def loads_with_weights(weight_bytes: int) -> bool:
+        return walk_single_request(
+            g, prompt_tokens=load.reserve_tokens, max_tokens=0,
+            usage_bytes=baseline_bytes + weight_bytes, ceiling_bytes=hard, params=params,
+        ).admitted
+
+    quantized = tuple(
+        QuantizedOption(q, b, loads_with_weights(b))
+        for q in QUANTIZATION_OPTIONS
+        if (b := spec.weights.bytes_at(q)) < spec.weight_bytes
+    )
+    return FitReport(
+        model=spec.name,
+        ceiling=ceiling,
+        load=load,
+        max_tokens=max_tokens,
+        max_prompt_tokens=max_prompt,
+        concurrency=concurrency,
+        max_reserve_tokens=max_reserve,
+        quantized=quantized,
+        wired_limit_mb=wired_limit_advice(ceiling, load.total_bytes, macos=macos),
+    )
+
+
+def _concurrency(
+    spec: ModelSpec, prompt: int, max_tokens: int, usage: int, hard: int, params: EngineParams
+) -> ConcurrencyFit:
+    """How many requests of ``prompt`` + ``max_tokens`` tokens can be in flight together:
+    their reservations, plus room for the last one's largest chunk and its join."""
+    g = spec.geometry
+    final = prompt + max_tokens
+    if final > spec.context_length:
+        return ConcurrencyFit(prompt, max_tokens, 0, True)
+
+    def fits(n: int) -> bool:
+        batch_kv = kv_cache_bytes(g, final, batch=n - 1)
+        chunk = largest_chunk_bytes(g, prompt, params, batch_kv_bytes=batch_kv)
+        return usage + reservation_bytes(g, [final] * n) + chunk <= hard
+
+    if not fits(1):
+        return ConcurrencyFit(prompt, max_tokens, 0, False)
+    high = 1
+    while fits(high * 2):
+        high *= 2
+    return ConcurrencyFit(prompt, max_tokens, _largest(fits, high, high * 2 - 1), False)
