@@ -19,6 +19,7 @@ from .estimate import (
     geometry_from_model,
     kv_cache_bytes,
 )
+from .fit import EngineParams, FitReport, LoadRequirement, ModelSpec, compute_fit
 from .guard import GuardState, MemoryGuard
 from .probes import (
     AllocatorProbe,
@@ -30,6 +31,7 @@ from .probes import (
 )
 from .snapshot import MemorySnapshot
 from .tracker import TransientTracker
+from .weights import Quantization, TensorInfo, WeightInventory, inventory_from_tensors
 
 __all__ = [
     "KV_STEP",
@@ -39,18 +41,26 @@ __all__ = [
     "CeilingConfig",
     "CudaProbe",
     "Decision",
+    "EngineParams",
+    "FitReport",
     "GuardState",
     "LinuxProbe",
+    "LoadRequirement",
     "MacOSProbe",
     "MemoryGuard",
     "MemorySnapshot",
     "ModelGeometry",
+    "ModelSpec",
     "Outcome",
     "PrefillEstimate",
     "Probe",
+    "Quantization",
+    "TensorInfo",
     "Tier",
     "TransientTracker",
+    "WeightInventory",
     "compute_ceiling",
+    "compute_fit",
     "decide",
     "detect_probe",
     "estimate_decode_reservation",
@@ -58,5 +68,6 @@ __all__ = [
     "fused_attention_available",
     "geometry_from_config",
     "geometry_from_model",
+    "inventory_from_tensors",
     "kv_cache_bytes",
 ]

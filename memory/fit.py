@@ -10,6 +10,7 @@ request at a time, with an empty prefix cache:
   (256-token steps) plus one layer's copy for the growth step;
 - every prefill chunk is predicted by :func:`~memory.estimate.estimate_prefill` times the
   tracker's margin, and the last chunk adds the join's copy of the prompt's KV;
+- each engine step runs at most ``chunk_tokens`` prompt tokens, in one chunk or several;
 - a chunk that does not fit is halved down to the floor before the request is refused,
   and a request whose full-size first chunk does not fit is still admitted when a
   floor-sized one does.
@@ -161,10 +162,11 @@ def walk_single_request(
             return refused(need, floor)
 
     processed = slots = 0
+    budget = params.chunk_tokens  # prompt tokens per engine step, shared by its chunks
     while processed < remaining:
         allocated = slots * per_token
         held = usage_bytes + allocated + max(reserved - allocated, 0)
-        tokens = min(params.chunk_tokens, remaining - processed)
+        tokens = min(params.chunk_tokens, remaining - processed, budget)
         while True:
             predicted = chunk_bytes(g, tokens, processed, params)
             if tokens >= remaining - processed:
@@ -179,6 +181,7 @@ def walk_single_request(
             peak, peak_tokens = need, tokens
         slots = _grown_slots(slots, processed, tokens)
         processed += tokens
+        budget = budget - tokens if budget > tokens else params.chunk_tokens
     if remaining == 0:
         peak, peak_tokens = need, 1
     return RequestWalk(True, reserved, peak, peak_tokens)
