@@ -95,19 +95,21 @@ def largest_chunk_bytes(
     (the prompt's KV copied into the batch, and two layers of the batch's)."""
     remaining = max(prompt_tokens - 1, 0)
     if remaining == 0:
-        return chunk_bytes(geometry, 1, 0, params) + _join_bytes(geometry, prompt_tokens, batch_kv_bytes)
+        return chunk_bytes(geometry, 1, 0, params) + join_bytes(geometry, prompt_tokens, batch_kv_bytes)
     worst, done = 0, 0
     while done < remaining:
         tokens = min(params.chunk_tokens, remaining - done)
         predicted = chunk_bytes(geometry, tokens, done, params)
         if done + tokens >= remaining:
-            predicted += _join_bytes(geometry, prompt_tokens, batch_kv_bytes)
+            predicted += join_bytes(geometry, prompt_tokens, batch_kv_bytes)
         worst = max(worst, predicted)
         done += tokens
     return worst
 
 
-def _join_bytes(geometry: ModelGeometry, prompt_tokens: int, batch_kv_bytes: int) -> int:
+def join_bytes(geometry: ModelGeometry, prompt_tokens: int, batch_kv_bytes: int) -> int:
+    """The join's transient: the prompt's KV is copied into the batch (merge, then extend
+    one layer at a time), so it exists twice and one layer of the batch three times."""
     return kv_cache_bytes(geometry, prompt_tokens) + 2 * batch_kv_bytes // max(geometry.num_layers, 1)
 
 
