@@ -325,17 +325,18 @@ class FitReport:
 def wired_limit_advice(ceiling: Ceiling, needed_bytes: int, *, macos: bool) -> int | None:
     """On a Mac whose GPU wired limit binds: the ``iogpu.wired_limit_mb`` value to set.
 
-    Raising the wired limit only helps up to the next limit (the static reserve, the
-    dynamic reach), so the value is that limit, in MiB; None when the wired limit does not
-    bind, or when even that would not hold ``needed_bytes``.
+    The value is the machine's own safe limit, the static ceiling (RAM less the tier's
+    reserve; the custom ceiling under tier custom), in MiB: a setting that persists should
+    not follow what other apps use this minute. None when the wired limit does not bind,
+    or when raising it would still not hold ``needed_bytes`` under the other limits now.
     """
     if not macos or ceiling.binding != "device":
         return None
-    others = [v for name, v in ceiling.components.items() if name != "device"]
+    others = {name: v for name, v in ceiling.components.items() if name != "device"}
     if not others:
         return None
-    target = min(others)
-    if target <= ceiling.hard_bytes or target < needed_bytes:
+    target = others.get("static") or others.get("custom") or min(others.values())
+    if target <= ceiling.hard_bytes or min(others.values()) < needed_bytes:
         return None
     return target // MiB
 

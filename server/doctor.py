@@ -20,7 +20,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from memory import Tier, compute_ceiling, detect_probe
+from memory import Ceiling, Tier, compute_ceiling, detect_probe
 from memory._units import MiB
 from memory._units import format_bytes as fb
 from memory.fit import wired_limit_advice
@@ -88,6 +88,19 @@ def _sysctl_int(name: str) -> int | None:
     return int(text) if out.returncode == 0 and text.lstrip("-").isdigit() else None
 
 
+def macos_view(ceiling: Ceiling, wired_limit_mb: int | None, recommended: int | None) -> dict[str, Any]:
+    """The GPU wired limit beside MLX's recommended working set, and when the wired limit
+    (or, unset, the working set it defaults to) binds, the sysctl that raises it."""
+    raise_to = wired_limit_advice(ceiling, 0, macos=True)
+    return {
+        "iogpu_wired_limit_mb": wired_limit_mb,
+        "max_recommended_working_set_bytes": recommended,
+        "wired_limit_binds": ceiling.binding == "device",
+        "raise_wired_limit_mb": raise_to,
+        "sysctl": f"sudo sysctl iogpu.wired_limit_mb={raise_to}" if raise_to else None,
+    }
+
+
 def collect(settings: Settings, *, model: str | None, max_tokens: int | None) -> dict[str, Any]:
     """Everything doctor reports, as one JSON-able dict (``ok`` and ``problems`` included)."""
     problems: list[str] = []
@@ -123,16 +136,8 @@ def collect(settings: Settings, *, model: str | None, max_tokens: int | None) ->
         },
     }
     if snapshot.platform == "macos":
-        wired = _sysctl_int("iogpu.wired_limit_mb")
         recommended = report["backend"]["device_info"].get("max_recommended_working_set_size")
-        raise_to = wired_limit_advice(ceiling, 0, macos=True)
-        report["macos"] = {
-            "iogpu_wired_limit_mb": wired,
-            "max_recommended_working_set_bytes": recommended,
-            "wired_limit_binds": ceiling.binding == "device",
-            "raise_wired_limit_mb": raise_to,
-            "sysctl": f"sudo sysctl iogpu.wired_limit_mb={raise_to}" if raise_to else None,
-        }
+        report["macos"] = macos_view(ceiling, _sysctl_int("iogpu.wired_limit_mb"), recommended)
 
     report["model"] = None
     if model is not None:
@@ -153,6 +158,7 @@ def collect(settings: Settings, *, model: str | None, max_tokens: int | None) ->
                 "kv_bytes_per_token": spec.geometry.kv_bytes_per_token,
                 "geometry": asdict(spec.geometry),
                 "fit": fit_json(fit),
+                "max_concurrency": settings.max_concurrency,  # the server's own cap
             }
             if not fit.fits_at_all:
                 problems.append(f"{spec.name} cannot fit at all: {fit.message()}")
@@ -209,6 +215,8 @@ def render(report: dict[str, Any]) -> str:
         for row in fit["concurrency"]:
             n = "beyond the context" if row["beyond_context"] else str(row["requests"])
             lines.append(f"          {row['prompt_tokens']:>6}-token prompts at once: {n}")
+        lines.append(f"          (the server runs at most {m['max_concurrency']} at once: "
+                     "--max-concurrency)")
     for problem in report["problems"]:
         lines.append(f"PROBLEM   {problem}")
     lines.append("ok" if report["ok"] else "not ok")

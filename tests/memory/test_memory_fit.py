@@ -252,7 +252,10 @@ def test_concurrency_counts_reservations_and_flags_prompts_beyond_the_context() 
 
 @pytest.mark.parametrize("components, binding, needed, macos, expected", [
     ({"static": 58 * GiB, "dynamic": 60 * GiB, "device": 48 * GiB}, "device", 50 * GiB, True, 58 * 1024),
-    ({"static": 58 * GiB, "dynamic": 52 * GiB, "device": 48 * GiB}, "device", 0, True, 52 * 1024),
+    # the static limit, not this minute's dynamic one: the setting persists
+    ({"static": 58 * GiB, "dynamic": 52 * GiB, "device": 48 * GiB}, "device", 0, True, 58 * 1024),
+    ({"static": 58 * GiB, "dynamic": 52 * GiB, "device": 48 * GiB}, "device", 53 * GiB, True, None),
+    ({"custom": 60 * GiB, "device": 48 * GiB}, "device", 0, True, 60 * 1024),
     ({"static": 58 * GiB, "dynamic": 60 * GiB, "device": 48 * GiB}, "device", 59 * GiB, True, None),
     ({"static": 58 * GiB, "dynamic": 60 * GiB, "device": 48 * GiB}, "device", 0, False, None),
     ({"static": 40 * GiB, "dynamic": 60 * GiB, "device": 48 * GiB}, "static", 0, True, None),
