@@ -210,8 +210,10 @@ def render(report: dict[str, Any]) -> str:
                      f"({m['weights_source']}), context {m['context_length']}, "
                      f"KV {fb(m['kv_bytes_per_token'])}/token")
         lines.append(f"          {fit['message']}")
+        bound = (" (the whole context)" if fit["max_prompt_tokens"] + fit["max_tokens"]
+                 >= m["context_length"] else "")
         lines.append(f"          longest prompt at concurrency 1: {fit['max_prompt_tokens']} tokens "
-                     f"(+ {fit['max_tokens']} output)")
+                     f"(+ {fit['max_tokens']} output){bound}")
         for row in fit["concurrency"]:
             n = "beyond the context" if row["beyond_context"] else str(row["requests"])
             lines.append(f"          {row['prompt_tokens']:>6}-token prompts at once: {n}")
