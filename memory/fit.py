@@ -392,6 +392,14 @@ def compute_fit(
         for q in QUANTIZATION_OPTIONS
         if (b := spec.weights.bytes_at(q)) < spec.weight_bytes
     )
+    # What loading needs once the device limit is out of the way (chunks may then be larger).
+    others = [v for name, v in ceiling.components.items() if name != "device"]
+    needed_if_raised = load.total_bytes
+    if ceiling.binding == "device" and others:
+        needed_if_raised = load_requirement(
+            spec, reserve_tokens=reserve_tokens, baseline_bytes=baseline_bytes,
+            ceiling_bytes=min(others), params=params,
+        ).total_bytes
     return FitReport(
         model=spec.name,
         ceiling=ceiling,
@@ -401,7 +409,7 @@ def compute_fit(
         concurrency=concurrency,
         max_reserve_tokens=max_reserve,
         quantized=quantized,
-        wired_limit_mb=wired_limit_advice(ceiling, load.total_bytes, macos=macos),
+        wired_limit_mb=wired_limit_advice(ceiling, needed_if_raised, macos=macos),
     )
 
 

@@ -283,3 +283,12 @@ def test_geometry_kv_per_token_is_the_one_admission_uses() -> None:
     # 300 tokens hold 512 slots; one layer's copy on top
     assert reservation_bytes(g, [300]) == 512 * g.kv_bytes_per_token * 5 // 4
     assert reservation_bytes(g, [300, 100]) == 2 * 512 * g.kv_bytes_per_token * 5 // 4
+
+
+def test_no_sysctl_when_raising_the_wired_limit_would_not_be_enough() -> None:
+    components = {"static": 14 * GiB, "dynamic": 30 * GiB, "device": 12 * GiB}
+    ceiling = Ceiling(12 * GiB, "device", MappingProxyType(components), Tier.BALANCED)
+    r = compute_fit(llama_spec(), ceiling, baseline_bytes=0, reserve_tokens=8192, max_tokens=512,
+                    params=EngineParams(backend="metal"), macos=True)
+    assert not r.fits and r.wired_limit_mb is None  # 15 GiB of weights: over even 14 GiB
+    assert "sysctl" not in r.message() and "4-bit (group 64) weights" in r.message()
