@@ -291,4 +291,4 @@ def test_no_sysctl_when_raising_the_wired_limit_would_not_be_enough() -> None:
     r = compute_fit(llama_spec(), ceiling, baseline_bytes=0, reserve_tokens=8192, max_tokens=512,
                     params=EngineParams(backend="metal"), macos=True)
     assert not r.fits and r.wired_limit_mb is None  # 15 GiB of weights: over even 14 GiB
-    assert "sysctl" not in r.message() and "4-bit (group 64) weights" in r.message()
+    assert "sysctl" not in r.message() and "8-bit (group 64) weights (7.9 GiB)" in r.message()
