@@ -133,12 +133,21 @@ def _dummy_spec(model: str, dtype: str | None, name: str) -> ModelSpec:
     return _spec(name, config, tensors, _context_length(None, config), "dummy config")
 
 
+def _complete(path: Path) -> bool:
+    """Every shard the index names is there (an interrupted download would undercount)."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        return bool(shards) and all((path / shard).exists() for shard in shards)
+    return any(path.glob("*.safetensors"))
+
+
 def _hub_spec(repo: str, name: str) -> ModelSpec:
     try:
         from huggingface_hub import snapshot_download
 
         cached = Path(snapshot_download(repo, local_files_only=True))
-        if any(cached.glob("*.safetensors")):
+        if _complete(cached):
             return spec_from_directory(cached, name)
     except Exception:  # not in the cache: read the headers over HTTP below
         pass
