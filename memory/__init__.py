@@ -2,7 +2,8 @@
 
 Pure, typed policy: probes read the machine into a frozen :class:`MemorySnapshot`;
 :func:`compute_ceiling` turns it into a hard limit; :func:`decide` says ADMIT, EVICT,
-WAIT or REJECT, and why. Nothing here imports FastAPI, the engine or the server, and
+WAIT or REJECT, and why; :func:`compute_fit` says whether a model fits before it is loaded,
+and what fits beside it. Nothing here imports FastAPI, the engine or the server, and
 ``mlx.core`` is only imported lazily inside probe reads.
 """
 

@@ -104,7 +104,12 @@ def macos_view(ceiling: Ceiling, wired_limit_mb: int | None, recommended: int | 
 def collect(settings: Settings, *, model: str | None, max_tokens: int | None) -> dict[str, Any]:
     """Everything doctor reports, as one JSON-able dict (``ok`` and ``problems`` included)."""
     problems: list[str] = []
-    report: dict[str, Any] = {"backend": _backend()}
+    report: dict[str, Any] = {
+        "backend": _backend(),
+        "settings": {k: getattr(settings, k) for k in (
+            "memory_probe", "memory_tier", "memory_ceiling_bytes", "reserve_context_tokens",
+            "prefill_step_size", "min_prefill_chunk", "default_max_tokens", "memory_guard")},
+    }
 
     probes: dict[str, Any] = {}
     for kind in _probe_kinds(settings.memory_probe):
