@@ -35,13 +35,13 @@ from dataclasses import dataclass
 from ._units import MiB
 from ._units import format_bytes as fb
 from .ceiling import Ceiling
-from .estimate import ModelGeometry, estimate_prefill, kv_cache_bytes
+from .estimate import KV_STEP, ModelGeometry, estimate_prefill, kv_cache_bytes
 from .tracker import DEFAULT_MARGIN
 from .weights import Quantization, WeightInventory
 
 CONCURRENCY_PROMPTS = (1024, 8192, 32768)
 QUANTIZATION_OPTIONS = (Quantization(8), Quantization(4))
-KV_STEP_SLOTS = 256  # KVCache's growth step
+
 
 
 @dataclass(frozen=True)
@@ -118,8 +118,8 @@ def _grown_slots(slots: int, offset: int, new: int) -> int:
     concatenating whole 256-token steps, after trimming a partly used last step)."""
     if slots and offset + new <= slots:
         return slots
-    steps = -(-new // KV_STEP_SLOTS) * KV_STEP_SLOTS
-    if slots and offset % KV_STEP_SLOTS:
+    steps = -(-new // KV_STEP) * KV_STEP
+    if slots and offset % KV_STEP:
         slots = offset
     return slots + steps
 
@@ -374,7 +374,7 @@ def compute_fit(
         return admits(reserve, 0)
 
     max_reserve = _largest(reserve_admits, 1, load.reserve_tokens) if reserve_admits(1) else 0
-    rounded = max_reserve - max_reserve % KV_STEP_SLOTS
+    rounded = max_reserve - max_reserve % KV_STEP
     if rounded and reserve_admits(rounded):
         max_reserve = rounded
 
