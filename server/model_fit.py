@@ -84,18 +84,21 @@ def fit_for_settings(
     )
 
 
-def admit_load(settings: Settings, probe: Probe | None = None) -> LoadAdmission:
+def admit_load(settings: Settings, probe: Probe | None = None) -> LoadAdmission | None:
     """Check the model against the ceiling before loading it.
 
     Raises :class:`LoadRefused` with the numbers and what would fit, unless
     ``force_load`` is set (then the verdict is logged and kept for /v1/memory). With the
-    guard off nothing is refused.
+    guard off nothing is refused. None: the model could not be sized and is loaded unchecked.
     """
     from engine.model_spec import ModelSpecError
 
     try:
         spec = read_spec(settings)
     except ModelSpecError as exc:
+        if settings.force_load or not settings.memory_guard:
+            log.warning("load admission skipped: cannot size the model before loading it: %s", exc)
+            return None
         raise LoadRefused(
             f"cannot size the model before loading it: {exc}. --force-load loads it unchecked."
         ) from exc
