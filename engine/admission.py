@@ -26,7 +26,6 @@ from memory import (
     estimate_prefill,
     kv_cache_bytes,
 )
-from memory.fit import join_bytes, reservation_bytes
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,11 @@ class Admission:
     def reservation_bytes(self, seqs: Iterable[Sequence]) -> int:
         """KV the decode batch reaches if every admitted sequence runs to max_tokens,
         plus one layer's copy for the 256-token growth step (MLX grows by concatenation)."""
-        return reservation_bytes(self.geometry, [s.final_len for s in seqs])
+        finals = [s.final_len for s in seqs]
+        if not finals:
+            return 0
+        full = kv_cache_bytes(self.geometry, max(finals), batch=len(finals))
+        return full + full // max(self.geometry.num_layers, 1)
 
     def committed_bytes(self, admitted: list[Sequence], allocated_kv: int) -> int:
         return max(self.reservation_bytes(admitted) - allocated_kv, 0)
@@ -154,7 +157,8 @@ class Admission:
             tokens = max(tokens // 2, self.min_chunk_tokens)
 
     def join_transient_bytes(self, seq: Sequence, batch_kv_bytes: int) -> int:
-        return join_bytes(self.geometry, seq.prompt_len, batch_kv_bytes)
+        layers = max(self.geometry.num_layers, 1)
+        return kv_cache_bytes(self.geometry, seq.prompt_len) + 2 * batch_kv_bytes // layers
 
     def observe_chunk(self, tokens: int, peak_delta_bytes: int) -> None:
         self.tracker.observe(tokens, peak_delta_bytes)

@@ -3,8 +3,10 @@
 One computation serves load admission (``serve`` refuses a model that does not fit) and
 ``mlx-headroom doctor`` (what fits on this machine), so the two can never disagree.
 
-The numbers follow the engine's admission arithmetic (``engine/admission.py``) for one
-request at a time, with an empty prefix cache:
+The numbers follow the engine's admission arithmetic (``engine/admission.py``; keep the
+two in step: ``tests/server/test_load_admission.py`` checks that a real server admits
+exactly the longest prompt computed here, and refuses one token more) for one request at a
+time, with an empty prefix cache:
 
 - a request of P prompt tokens and M output tokens *reserves* the KV of P + M tokens
   (256-token steps) plus one layer's copy for the growth step;

@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from engine.admission import Admission
 from engine.dummy_model import dummy_config, weight_bytes
 from engine.loader import load_model
 from engine.model_spec import ModelSpecError, read_model_spec
-from memory import AllocatorProbe, MemoryGuard, geometry_from_model
-from memory.fit import reservation_bytes
+from memory import geometry_from_model
 from memory.weights import Quantization
 
 
@@ -68,12 +65,3 @@ def test_unreadable_models_say_why(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelSpecError, match=r"config\.json"):
         read_model_spec(str(tmp_path))
-
-
-def test_fit_reserves_kv_exactly_as_the_engine_admits() -> None:
-    loaded = load_model("default")
-    admission = Admission(MemoryGuard(AllocatorProbe()), loaded.geometry, backend="cpu")
-    for finals in ([1], [300], [256, 257], [1000, 10, 4096]):
-        seqs = [SimpleNamespace(final_len=n) for n in finals]
-        engine_bytes = admission.reservation_bytes(seqs)  # type: ignore[arg-type]
-        assert engine_bytes == reservation_bytes(loaded.geometry, finals)
