@@ -12,6 +12,7 @@ decoding can never outgrow what was admitted.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -26,6 +27,24 @@ from memory import (
     estimate_prefill,
     kv_cache_bytes,
 )
+
+RECENT_CHUNKS = 32
+
+
+@dataclass(frozen=True)
+class ChunkSample:
+    """One prefill chunk: what the guard was told it would take, and what it took.
+
+    ``predicted_bytes`` is the chunk's own transient prediction (static estimate corrected
+    by the tracker, with its margin), made before the chunk ran; ``measured_bytes`` is the
+    peak above active memory while it ran. Their ratio says whether the guard is cautious.
+    """
+
+    at: float
+    tokens: int
+    predicted_bytes: int
+    measured_bytes: int
+    ewma_bytes_per_token: float | None
 
 
 @dataclass(frozen=True)
@@ -52,6 +71,8 @@ class Admission:
         self.tracker = tracker or TransientTracker()
         self.checks = 0
         self.check_seconds = 0.0  # engine-thread time spent asking the guard: its cost
+        self._chunks: deque[ChunkSample] = deque(maxlen=RECENT_CHUNKS)
+        self._chunks_view: tuple[ChunkSample, ...] = ()  # rebuilt per chunk, not per step
 
     def _ask(self, query: AdmissionQuery) -> Decision:
         started = time.perf_counter()
@@ -107,7 +128,7 @@ class Admission:
         )
         decision = ask(full)
         if decision.outcome is Outcome.REJECT and not admitted:
-            floor = self._chunk_prediction(seq, max(min(self.min_chunk_tokens, seq.remaining_prefill), 1))
+            floor = self.chunk_prediction(seq, max(min(self.min_chunk_tokens, seq.remaining_prefill), 1))
             fallback = ask(floor)
             if fallback.outcome in (Outcome.ADMIT, Outcome.EVICT):
                 return fallback
@@ -117,7 +138,7 @@ class Admission:
         """A full-size chunk; for the last one, plus the copy of the prompt's KV at the join."""
         tokens = max(min(seq.chunk_tokens, seq.remaining_prefill), 1)
         join = kv_cache_bytes(self.geometry, seq.prompt_len) if tokens >= seq.remaining_prefill else 0
-        return self._chunk_prediction(seq, tokens) + join
+        return self.chunk_prediction(seq, tokens) + join
 
     def plan_chunk(
         self,
@@ -138,7 +159,7 @@ class Admission:
         releasable = max(self.reservation_bytes([s for s in admitted if s is not seq]), 0)
         tokens = min(seq.chunk_tokens, seq.remaining_prefill, max_tokens or seq.chunk_tokens)
         while True:
-            predicted = self._chunk_prediction(seq, tokens)
+            predicted = self.chunk_prediction(seq, tokens)
             if tokens >= seq.remaining_prefill:
                 predicted += self.join_transient_bytes(seq, batch_kv_bytes)
             decision = self._ask(
@@ -160,10 +181,18 @@ class Admission:
         layers = max(self.geometry.num_layers, 1)
         return kv_cache_bytes(self.geometry, seq.prompt_len) + 2 * batch_kv_bytes // layers
 
-    def observe_chunk(self, tokens: int, peak_delta_bytes: int) -> None:
+    def observe_chunk(self, tokens: int, peak_delta_bytes: int, predicted_bytes: int = 0) -> None:
         self.tracker.observe(tokens, peak_delta_bytes)
+        self._chunks.append(ChunkSample(time.time(), tokens, predicted_bytes, peak_delta_bytes,
+                                        self.tracker.ewma_bytes_per_token))
+        self._chunks_view = tuple(self._chunks)
 
-    def _chunk_prediction(self, seq: Sequence, tokens: int) -> int:
+    def recent_chunks(self) -> tuple[ChunkSample, ...]:
+        """The last chunks, oldest first."""
+        return self._chunks_view
+
+    def chunk_prediction(self, seq: Sequence, tokens: int) -> int:
+        """The chunk's transient alone (no join), as the tracker predicts it now."""
         estimate = estimate_prefill(
             self.geometry,
             chunk_tokens=max(tokens, 1),

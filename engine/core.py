@@ -17,7 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.admission import Admission
+from engine.admission import Admission, ChunkSample
 from engine.decode_batch import DecodeBatch
 from engine.errors import InsufficientMemoryError
 from engine.loader import LoadedModel
@@ -62,6 +62,7 @@ class EngineStats:
     oom_recoveries: int = 0
     admission_checks: int = 0
     admission_s: float = 0.0
+    recent_chunks: tuple[ChunkSample, ...] = ()  # oldest first: prediction against measurement
 
 
 @dataclass(frozen=True)
@@ -152,9 +153,10 @@ class EngineCore:
             self._decode()
         except RuntimeError as exc:
             self._recover_from_device_oom(exc, list(self.batch.seqs))
-        self._counters["steps"] += 1
-        self._publish_stats()
         progressed = bool(self._outputs or len(self.batch))
+        if progressed or self._counters["prefill_chunks"] != chunks_before:
+            self._counters["steps"] += 1  # steps that did work: an idle wake-up is not one
+        self._publish_stats()
         if self._outputs:
             outputs, self._outputs = self._outputs, []
             self.publish(outputs)
@@ -326,11 +328,12 @@ class EngineCore:
         assert seq.caches is not None
         start = seq.processed
         chunk = mx.array(seq.request.prompt_tokens[start : start + tokens])[None]
+        predicted = self.admission.chunk_prediction(seq, tokens)  # before the tracker learns
         active_before = mx.get_active_memory()
         mx.reset_peak_memory()
         self.model(chunk, cache=seq.caches)
         mx.eval([c.state for c in seq.caches])
-        self.admission.observe_chunk(tokens, max(mx.get_peak_memory() - active_before, 0))
+        self.admission.observe_chunk(tokens, max(mx.get_peak_memory() - active_before, 0), predicted)
         mx.clear_cache()
         seq.processed += tokens
         self._counters["prefill_chunks"] += 1
@@ -460,4 +463,5 @@ class EngineCore:
             oom_recoveries=c["oom_recoveries"],
             admission_checks=self.admission.checks,
             admission_s=round(self.admission.check_seconds, 6),
+            recent_chunks=self.admission.recent_chunks(),
         )

@@ -60,6 +60,8 @@ class MemoryGuard:
         self._lock = threading.Lock()
         self._state = _validated(GuardState(enabled, Tier(tier), custom_ceiling_bytes))
         self._history: deque[Decision] = deque(maxlen=history)
+        # Refusals and waits apart: one admit per prefill chunk would soon push them out.
+        self._refusals: deque[Decision] = deque(maxlen=history)
         self._counts: dict[Outcome, int] = dict.fromkeys(Outcome, 0)
 
     def configure(
@@ -137,11 +139,18 @@ class MemoryGuard:
         with self._lock:
             self._history.append(decision)
             self._counts[decision.outcome] += 1
+            if decision.outcome in (Outcome.WAIT, Outcome.REJECT):
+                self._refusals.append(decision)
 
     def recent_decisions(self) -> list[Decision]:
         """Oldest first, at most ``history`` of them."""
         with self._lock:
             return list(self._history)
+
+    def recent_refusals(self) -> list[Decision]:
+        """The last WAIT and REJECT decisions, oldest first, however many admits came since."""
+        with self._lock:
+            return list(self._refusals)
 
     def counts(self) -> Mapping[Outcome, int]:
         """Decisions by outcome since start (every outcome present)."""

@@ -113,7 +113,7 @@ async def memory_view(request: Request) -> dict[str, Any]:
             "max_bytes": prefix.max_bytes if prefix else 0,
         },
         "queue": {"waiting": stats.waiting, "prefilling": stats.prefilling, "running": stats.running},
-        "engine": {k: v for k, v in asdict(stats).items() if k != "prefix_cache"},
+        "engine": {k: v for k, v in asdict(stats).items() if k not in ("prefix_cache", "recent_chunks")},
         "decisions": [
             {
                 "at": d.at,

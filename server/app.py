@@ -6,6 +6,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
@@ -17,6 +18,8 @@ from server.access_log import AccessLogMiddleware
 from server.admin_routes import router as admin_router
 from server.auth import AuthMiddleware
 from server.errors import install_error_handlers
+from server.history import History
+from server.host_guard import HostGuardMiddleware, HostPolicy
 from server.limits import BodyLimitMiddleware
 from server.metrics import Metrics
 from server.metrics import router as metrics_router
@@ -24,6 +27,8 @@ from server.model_fit import LoadAdmission
 from server.openai_routes import router as openai_router
 from server.settings import Settings
 from server.state import ServerState
+from server.stats import LatencyWindow, read_sample
+from server.stats import router as stats_router
 
 log = logging.getLogger("mlx_headroom.server")
 
@@ -67,12 +72,15 @@ def create_app(
         max_queue=settings.max_queue,
     )
     state = ServerState(settings=settings, engine=engine, guard=guard, load_admission=load_admission)
+    history = History(lambda: read_sample(state))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         log.info("ready: serving %s", state.model_name)
+        history.start()
         yield
+        await history.stop()
         state.shutting_down = True
         log.info("shutting down: finishing %d requests (grace %.0fs)",
                  engine.in_flight, settings.shutdown_grace_s)
@@ -84,16 +92,28 @@ def create_app(
     app.include_router(openai_router)
     app.include_router(admin_router)
     app.include_router(metrics_router)
-    app.state.metrics = Metrics(state)
-    # Outermost last: the access log sees every answer, CORS answers preflights before
-    # auth, and auth refuses before a body is read.
+    app.include_router(stats_router)
+    app.state.metrics = metrics = Metrics(state)
+    app.state.history = history
+    app.state.latency = latency = LatencyWindow()
+
+    def observe(record: dict[str, Any], scope: dict[str, Any]) -> None:
+        metrics.observe(record, scope)
+        latency.observe(record)
+
+    # Outermost last: the access log sees every answer, the host guard refuses foreign
+    # Hosts and Origins before anything else, CORS answers preflights before auth, and auth
+    # refuses before a body is read.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(AuthMiddleware, api_key=settings.api_key, admin_key=settings.admin_key)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins,
                            allow_methods=["*"], allow_headers=["*"], expose_headers=["x-request-id"])
+    app.add_middleware(HostGuardMiddleware, policy=HostPolicy.build(
+        bind_host=settings.host, allowed_hosts=settings.allowed_hosts,
+        cors_origins=settings.cors_origins))
     app.add_middleware(AccessLogMiddleware, log_prompts=settings.log_prompts,
-                       observe=app.state.metrics.observe)
+                       observe=observe)
     if DASHBOARD_DIR.is_dir():
         app.mount("/dashboard", StaticFiles(directory=DASHBOARD_DIR, html=True), name="dashboard")
     return app

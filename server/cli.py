@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="serve a non-loopback address without any key")
     serve.add_argument("--cors-origin", dest="cors_origins", action="append",
                        help="allow this origin by CORS (repeatable; default: CORS off)")
+    serve.add_argument("--allowed-host", dest="allowed_hosts", action="append",
+                       help="also answer to this Host name (repeatable; e.g. a LAN name or a reverse "
+                       "proxy's; '*' turns the DNS-rebinding check off)")
     serve.add_argument("--max-body-bytes", type=int)
     serve.add_argument("--request-timeout-s", type=float)
     serve.add_argument("--log-prompts", action="store_true", default=None,

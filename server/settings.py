@@ -57,6 +57,10 @@ class Settings(BaseSettings):
     cors_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="origins allowed by CORS (JSON list or comma-separated)"
     )
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Host names served besides localhost and the bound address ('*': any; unsafe)",
+    )
     max_body_bytes: int = Field(4 << 20, ge=1024)
     max_messages: int = Field(1024, ge=1)
     max_prompt_chars: int = Field(1 << 21, ge=1)
@@ -64,7 +68,7 @@ class Settings(BaseSettings):
     log_prompts: bool = False
     log_level: str = "info"
 
-    @field_validator("cors_origins", mode="before")
+    @field_validator("cors_origins", "allowed_hosts", mode="before")
     @classmethod
     def _split_origins(cls, value: object) -> object:
         if isinstance(value, str):

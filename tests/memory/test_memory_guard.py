@@ -102,3 +102,14 @@ def test_concurrent_checks_and_reconfiguration() -> None:
     assert not errors
     assert sum(g.counts().values()) == 2000
     assert len(g.recent_decisions()) == 100
+
+
+def test_refusals_are_kept_apart_from_the_admits_that_follow() -> None:
+    g = guard(history=3)
+    reject = g.check(AdmissionQuery(predicted_bytes=1000 * GiB, request_id="big"))
+    assert reject.outcome is Outcome.REJECT
+    for i in range(5):  # one admit per prefill chunk soon fills the shared history
+        g.check(AdmissionQuery(predicted_bytes=1 * GiB, request_id=f"small-{i}"))
+    assert reject not in g.recent_decisions()
+    assert g.recent_refusals() == [reject]
+    assert g.counts()[Outcome.REJECT] == 1

@@ -62,7 +62,7 @@ def test_a_lying_content_length_cannot_smuggle_a_big_body(limited):
     """The server reads only the declared bytes; the rest is not part of this request."""
     body = big_body(5000)
     with socket.create_connection(("127.0.0.1", limited.port), timeout=10) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 100\r\n\r\n" + body)
         head = s.recv(200)
     assert head.startswith(b"HTTP/1.1 400"), head
