@@ -7,6 +7,7 @@ from engine.errors import (
     EngineDeadError,
     EngineError,
     InsufficientMemoryError,
+    MemoryProbeUnavailableError,
     QueueFullError,
 )
 from engine.loader import DEFAULT_MODEL, LoadedModel, backend_name, load_model
@@ -24,6 +25,7 @@ __all__ = [
     "EngineStats",
     "InsufficientMemoryError",
     "LoadedModel",
+    "MemoryProbeUnavailableError",
     "QueueFullError",
     "RequestOutput",
     "RequestStream",

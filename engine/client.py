@@ -7,11 +7,14 @@ step, in one `loop.call_soon_threadsafe` call that fans them out to per-request 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
+
+import mlx.core as mx
 
 from engine.core import EngineConfig, EngineCore, EngineStats
 from engine.errors import EngineDeadError, QueueFullError
@@ -22,6 +25,7 @@ from memory import MemoryGuard
 log = logging.getLogger("mlx_headroom.engine")
 
 GIL_SWITCH_INTERVAL_S = 0.001
+ENGINE_JOIN_TIMEOUT_S = 30.0  # a decode step of a big batch plus the teardown
 
 
 class RequestStream:
@@ -66,8 +70,10 @@ class EngineClient:
         guard: MemoryGuard,
         config: EngineConfig,
         max_queue: int,
+        on_death: Callable[[BaseException], None] | None = None,
     ) -> None:
         self._load = load
+        self._on_death = on_death
         self.guard = guard
         self.config = config
         self.max_queue = max_queue
@@ -77,6 +83,7 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}
         self._dead: BaseException | None = None
+        self.stopped_cleanly = False  # set by shutdown(): the engine thread ended after stop()
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -108,10 +115,37 @@ class EngineClient:
                 log.exception("the engine thread died")
                 self._dead = exc
                 self._loop.call_soon_threadsafe(self._fail_all, exc)
+                if self._on_death is not None:
+                    self._loop.call_soon_threadsafe(self._on_death, exc)
+            finally:
+                self._release_mlx()
 
         self._thread = threading.Thread(target=main, name="mlx-headroom-engine", daemon=True)
         self._thread.start()
         await ready
+
+    def _release_mlx(self) -> None:
+        """On the engine thread, after its loop: free the model, the caches and the batch
+        here, collect what referenced them, wait for the device, then drop this thread's
+        MLX streams and random state (`mx.clear_streams`).
+
+        The last step is what keeps exit clean: MLX keeps each thread's random key in a
+        C++ thread-local whose destructor takes the GIL. Python's `join()` returns before
+        a thread's thread-locals are destroyed, so that destructor could run while the
+        main thread was already finalizing the interpreter; taking the GIL then ends the
+        thread with pthread_exit inside a noexcept destructor, and the process aborted
+        with "terminate called without an active exception" (exit 134). Seen on CUDA and,
+        1 run in 3, on the CPU."""
+        try:
+            if self.core is not None:
+                self.core.release()
+            self.loaded = None
+            gc.collect()
+            mx.synchronize()
+            mx.clear_cache()
+            mx.clear_streams()
+        except BaseException:
+            log.exception("releasing MLX state on the engine thread failed")
 
     @property
     def alive(self) -> bool:
@@ -141,7 +175,13 @@ class EngineClient:
             self.abort(request_id)
         self.core.stop()
         if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 10.0)
+            await asyncio.to_thread(self._thread.join, ENGINE_JOIN_TIMEOUT_S)
+            if self._thread.is_alive():
+                log.error("the engine thread did not end within %.0fs of being stopped",
+                          ENGINE_JOIN_TIMEOUT_S)
+                return
+        self.stopped_cleanly = self._dead is None
+        log.info("engine thread ended; MLX state released")
 
     # ---- requests --------------------------------------------------------------------
     def submit(self, request: EngineRequest) -> RequestStream:

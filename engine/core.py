@@ -19,12 +19,12 @@ import mlx.core as mx
 
 from engine.admission import Admission, ChunkSample
 from engine.decode_batch import DecodeBatch
-from engine.errors import InsufficientMemoryError
+from engine.errors import InsufficientMemoryError, MemoryProbeUnavailableError
 from engine.loader import LoadedModel
 from engine.prefix_cache import PrefixCache, PrefixCacheStats
 from engine.request import EngineRequest, RequestOutput
 from engine.sequence import RequestStatus, Sequence
-from memory import Decision, MemoryGuard, Outcome
+from memory import Decision, MemoryGuard, Outcome, ProbeUnavailableError
 
 log = logging.getLogger("mlx_headroom.engine")
 
@@ -143,9 +143,15 @@ class EngineCore:
     def step(self) -> bool:
         """One engine step; False when it could do nothing (everything waits)."""
         chunks_before = self._counters["prefill_chunks"]
-        self._schedule_waiting()
+        try:
+            self._schedule_waiting()
+        except ProbeUnavailableError as exc:
+            self._refuse_unprobed(self.waiting[0] if self.waiting else None, exc)
         try:
             self._prefill()
+        except ProbeUnavailableError as exc:
+            victim, self._prefilling_now = self._prefilling_now, None
+            self._refuse_unprobed(victim, exc)
         except RuntimeError as exc:
             victim, self._prefilling_now = self._prefilling_now, None
             self._recover_from_device_oom(exc, [victim] if victim else [])
@@ -409,6 +415,15 @@ class EngineCore:
         self.prefix_cache.clear()
         mx.clear_cache()
 
+    def _refuse_unprobed(self, seq: Sequence | None, exc: ProbeUnavailableError) -> None:
+        """No memory reading to admit on: refuse the work that asked (503, retry later);
+        what is already decoding goes on, since decode steps need no admission."""
+        if seq is None:
+            return
+        log.info("refused request %s: memory probe unavailable", seq.request_id)
+        error = MemoryProbeUnavailableError(str(exc), retry_after_s=exc.retry_after_s)
+        self._finish(seq, RequestStatus.FINISHED_REJECTED, error=error)
+
     # ---- endings ---------------------------------------------------------------------
     def _abort(self, request_id: str) -> None:
         for seq in [*self.waiting, *self.prefilling, *self.batch.seqs]:
@@ -432,6 +447,16 @@ class EngineCore:
                 seq.request_id, (), finish_reason=reason, cached_tokens=seq.cached_tokens, error=error
             )
         )
+
+    def release(self) -> None:
+        """Drop everything this core holds but its last stats: the model, the batch, every
+        cache, the queues. Call it on the engine thread once the loop has ended, so the
+        arrays are freed there (the caller then collects garbage and synchronizes). It
+        drops attributes wholesale rather than by name, so whatever holds MLX state next
+        (a KV store, a runner) goes too."""
+        keep = {"stats", "config", "inbox", "_stop"}
+        for name in [n for n in vars(self) if n not in keep]:
+            delattr(self, name)
 
     def _abort_all(self, why: str) -> None:
         for seq in [*self.waiting, *self.prefilling, *self.batch.seqs]:

@@ -66,9 +66,18 @@ class DecodeBatch:
         if current is None or not self.seqs:
             return []
         logits = self.model(current.tokens[:, None], cache=self.cache)[:, -1, :]
-        self.pending = self.sampler.sample(logits, [s.generated + 1 for s in self.seqs])
-        mx.async_eval(*self.pending.arrays())
-        tokens = current.tokens.tolist()
+        if self.sampler.needs_feedback:
+            # A constrained or penalised row needs this step's tokens before the next
+            # mask: queue the forward pass, read the tokens while it runs, then sample.
+            mx.async_eval(logits)
+            tokens = current.tokens.tolist()
+            self.sampler.accept(tokens)
+            self.pending = self.sampler.sample(logits, [s.generated + 1 for s in self.seqs])
+            mx.async_eval(*self.pending.arrays())
+        else:
+            self.pending = self.sampler.sample(logits, [s.generated + 1 for s in self.seqs])
+            mx.async_eval(*self.pending.arrays())
+            tokens = current.tokens.tolist()
         logprobs = _read_logprobs(current, self.seqs)
         return [
             StepToken(seq, tok, logprobs[i] if logprobs else None)

@@ -4,7 +4,8 @@
     ├── EngineDeadError          fatal: the engine thread is gone; nothing will be served
     ├── QueueFullError           recoverable: too many requests waiting; retry later
     ├── ContextLengthError       the prompt plus max_tokens does not fit the model's context
-    └── InsufficientMemoryError  the memory guard refused the request (HTTP 507)
+    ├── InsufficientMemoryError  the memory guard refused the request (HTTP 507)
+    └── MemoryProbeUnavailableError  recoverable: no memory reading to admit on (HTTP 503)
 """
 
 from __future__ import annotations
@@ -69,3 +70,12 @@ class InsufficientMemoryError(EngineError):
             "limit_bytes": self.limit_bytes,
             "binding": self.binding,
         }
+
+
+class MemoryProbeUnavailableError(EngineError):
+    """The memory probe has failed past its grace period, so nothing can be admitted
+    safely. Temporary by nature: the client retries after ``retry_after_s``."""
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from engine.logits_processor import LogitsProcessor
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -15,6 +17,10 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Per-request mutable state (grammar, penalties); None costs the sampler nothing.
+    # Each engine request needs its own: never share one between requests.
+    processor: LogitsProcessor | None = field(default=None, compare=False)
 
     @property
     def greedy(self) -> bool:

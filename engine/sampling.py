@@ -4,6 +4,12 @@ Each row keeps its own temperature, top-p, top-k, min-p and seed, yet the batch 
 sampled in one call (no per-row model calls), so a seeded request is reproducible
 without being taken out of the batch: its noise comes from a key derived from its seed
 and its token index, never from the shared generator.
+
+Rows may also carry a `LogitsProcessor` (grammar constraint, frequency and presence
+penalties) and a static `logit_bias`. Those are applied to the logits before anything
+else; a batch without them skips that code entirely. A processor needs every sampled
+token back before it can mask the next one: `needs_feedback` tells the decode batch to
+call `accept` with the previous step's tokens before `sample`.
 """
 
 from __future__ import annotations
@@ -11,7 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
+from engine.logits_processor import LogitsProcessor, bitmask_words
 from engine.request import SamplingParams
 
 _SEED_MIX = 0x9E3779B1
@@ -47,9 +55,29 @@ class BatchSampler:
             self._top_p = mx.array([p.top_p for p in params])[:, None]
             self._top_k = mx.array([p.top_k if p.top_k > 0 else 0 for p in params])
             self._min_p = mx.array([p.min_p for p in params])[:, None]
+        self._processors: list[tuple[int, LogitsProcessor]] = [
+            (i, p.processor) for i, p in enumerate(params) if p.processor is not None
+        ]
+        self._constrained = [(i, pr) for i, pr in self._processors if pr.constraint is not None]
+        self._penalized = [(i, pr) for i, pr in self._processors if pr.penalized]
+        self._biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
+        self._bias: mx.array | None = None
+        self._bitmask: np.ndarray | None = None
+
+    @property
+    def needs_feedback(self) -> bool:
+        """Some row must see each sampled token before its next one can be sampled."""
+        return bool(self._processors)
+
+    def accept(self, tokens: list[int]) -> None:
+        """The tokens the batch just emitted, one per row, in row order."""
+        for i, processor in self._processors:
+            processor.accept(tokens[i])
 
     def sample(self, logits: mx.array, steps: list[int]) -> SampledStep:
         """`logits` is [B, V]; `steps[i]` is the index of the token row i is about to emit."""
+        if self._biased or self._processors:
+            logits = self._shape_logits(logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if self._all_greedy:
             tokens = mx.argmax(logprobs, axis=-1)
@@ -70,6 +98,29 @@ class BatchSampler:
             top_ids = mx.argsort(-logprobs, axis=-1)[:, :k]
             top_lp = mx.take_along_axis(logprobs, top_ids, axis=-1)
         return SampledStep(tokens, chosen, top_ids, top_lp)
+
+    def _shape_logits(self, logits: mx.array) -> mx.array:
+        rows, vocab = logits.shape
+        logits = logits.astype(mx.float32)
+        if self._biased:
+            if self._bias is None:
+                self._bias = _sparse_rows(rows, vocab, [
+                    (i, [t for t, _ in pairs if t < vocab], [b for t, b in pairs if t < vocab])
+                    for i, pairs in self._biased
+                ])
+            logits = logits + self._bias
+        if self._penalized:
+            logits = logits - _sparse_rows(rows, vocab, [(i, *pr.penalties()) for i, pr in self._penalized])
+        if self._constrained:
+            words = bitmask_words(vocab)
+            if self._bitmask is None or self._bitmask.shape != (rows, words):
+                self._bitmask = np.full((rows, words), -1, dtype=np.int32)
+            for i, processor in self._constrained:
+                assert processor.constraint is not None
+                processor.constraint.fill_bitmask(self._bitmask[i])
+            allowed = _unpack_bitmask(mx.array(self._bitmask), vocab)
+            logits = mx.where(allowed, logits, -mx.inf)
+        return logits
 
     def _truncate(self, scaled: mx.array, logprobs: mx.array) -> mx.array:
         vocab = scaled.shape[-1]
@@ -100,6 +151,29 @@ class BatchSampler:
             rows.append(mx.random.gumbel(shape=(shape[-1],), key=key))
         seeded = mx.array(self._seeded)
         return _scatter_rows(noise, seeded, mx.stack(rows))
+
+
+def _unpack_bitmask(words: mx.array, vocab: int) -> mx.array:
+    """int32 words [B, W] -> bool [B, vocab]; bit t % 32 of word t // 32 is token t."""
+    shifts = mx.arange(32, dtype=mx.uint32)
+    bits = (words.astype(mx.uint32)[:, :, None] >> shifts) & 1
+    return bits.reshape(words.shape[0], -1)[:, :vocab].astype(mx.bool_)
+
+
+def _sparse_rows(rows: int, vocab: int, entries: list[tuple[int, list[int], list[float]]]) -> mx.array:
+    """A [rows, vocab] array, zero except at the given (row, token) values, built on the
+    device from the sparse entries (no dense host buffer per step)."""
+    r: list[int] = []
+    c: list[int] = []
+    v: list[float] = []
+    for row, ids, values in entries:
+        r += [row] * len(ids)
+        c += ids
+        v += values
+    dense = mx.zeros((rows, vocab), dtype=mx.float32)
+    if not r:
+        return dense
+    return dense.at[mx.array(r), mx.array(c)].add(mx.array(v, dtype=mx.float32))
 
 
 def _scatter_rows(base: mx.array, rows: mx.array, values: mx.array) -> mx.array:

@@ -19,13 +19,41 @@ from typing import Any
 import numpy as np
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# ChatML with Hermes-style tools (the layout Qwen 2.5 uses): the tool list goes into the
+# system turn, calls are `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks
+# (mlx-lm's `json_tools` parser, which it infers from `tool_call.name` below), results come
+# back as `<tool_response>` blocks in a user turn.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\n\n' }}{%- endif %}"
+    "{{- '# Tools\n\nYou may call one or more functions. Function signatures:\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\n</tools>\n\nFor each call, return a JSON object within <tool_call></tool_call> tags:\n'"
+    " + '<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>'"
+    " + '<|im_end|>\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{- '<|im_start|>assistant\n' + (message['content'] or '') }}"
+    "{%- for tool_call in message['tool_calls'] %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '<tool_call>\n{\"name\": \"' + tool_call.name + '\", \"arguments\": '"
+    " + (tool_call.arguments | tojson) + '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
-BUILD_VERSION = 2
+BUILD_VERSION = 3
 _BIAS_CHANNEL = 5.0
 
 

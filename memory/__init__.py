@@ -9,6 +9,7 @@ and what fits beside it. Nothing here imports FastAPI, the engine or the server,
 
 from .ceiling import Ceiling, CeilingConfig, Tier, compute_ceiling
 from .decision import AdmissionQuery, Decision, Outcome, decide
+from .errors import ProbeError, ProbeUnavailableError
 from .estimate import (
     KV_STEP,
     ModelGeometry,
@@ -28,6 +29,7 @@ from .probes import (
     LinuxProbe,
     MacOSProbe,
     Probe,
+    ResilientProbe,
     detect_probe,
 )
 from .snapshot import MemorySnapshot
@@ -55,7 +57,10 @@ __all__ = [
     "Outcome",
     "PrefillEstimate",
     "Probe",
+    "ProbeError",
+    "ProbeUnavailableError",
     "Quantization",
+    "ResilientProbe",
     "TensorInfo",
     "Tier",
     "TransientTracker",

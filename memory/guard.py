@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from .ceiling import Ceiling, CeilingConfig, Tier, compute_ceiling
 from .decision import AdmissionQuery, Decision, Outcome, decide, usage_bytes
+from .errors import ProbeUnavailableError
 from .probes.base import Probe
 from .snapshot import MemorySnapshot
 
@@ -101,6 +102,12 @@ class MemoryGuard:
     def snapshot(self) -> MemorySnapshot:
         return self._probe.read()
 
+    def probe_status(self) -> str:
+        """``"ok"``, ``"stale"`` or ``"unavailable"`` for a
+        :class:`~memory.probes.resilient.ResilientProbe`; other probes raise instead."""
+        status = getattr(self._probe, "status", None)
+        return str(status()) if callable(status) else "ok"
+
     def ceiling(self, snapshot: MemorySnapshot | None = None) -> Ceiling:
         state = self.state()
         snap = snapshot if snapshot is not None else self._probe.read()
@@ -109,12 +116,29 @@ class MemoryGuard:
     def check(self, query: AdmissionQuery, *, record: bool = True) -> Decision:
         """Snapshot, ceiling, decide, record. Disabled → ADMIT (numbers still filled in).
 
+        A :class:`ProbeUnavailableError` from the probe passes through when enabled: the
+        caller must not admit.
+
         ``record=False`` leaves the history and counts alone: for the engine's repeated
         questions (a request re-checked every step while it waits, a chunk tried at
         smaller sizes), which it records once with :meth:`record`.
         """
         state = self.state()
-        snap = self._probe.read()
+        try:
+            snap = self._probe.read()
+        except ProbeUnavailableError:
+            if state.enabled:
+                raise  # never admit blind: the engine refuses with "retry later"
+            snap = None
+        if snap is None:  # disabled: the user asked for no admission control
+            decision = Decision(
+                outcome=Outcome.ADMIT, reason=DISABLED_REASON, needed_bytes=0, limit_bytes=0,
+                binding="unknown", usage_bytes=0, predicted_bytes=query.predicted_bytes,
+                request_id=query.request_id, at=time.time(),
+            )
+            if record:
+                self.record(decision)
+            return decision
         ceiling = compute_ceiling(snap, state.tier, self._config, state.ceiling_bytes)
         if state.enabled:
             decision = dataclasses.replace(decide(snap, ceiling, query), at=time.time())

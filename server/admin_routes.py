@@ -32,7 +32,7 @@ async def health(request: Request) -> JSONResponse:
     state = get_state(request)
     ok = state.ready and not state.shutting_down
     body = {"status": "ok" if ok else "unavailable", "model_loaded": state.engine.loaded is not None,
-            "engine_alive": state.engine.alive}
+            "engine_alive": state.engine.alive, "memory_probe": state.guard.probe_status()}
     return JSONResponse(body, status_code=200 if ok else 503)
 
 

@@ -13,7 +13,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.middleware.cors import CORSMiddleware
 
 from engine import EngineClient, EngineConfig, LoadedModel, load_model
-from memory import MemoryGuard, Probe, Tier, detect_probe
+from memory import MemoryGuard, Probe, ResilientProbe, Tier, detect_probe
 from server.access_log import AccessLogMiddleware
 from server.admin_routes import router as admin_router
 from server.auth import AuthMiddleware
@@ -25,6 +25,8 @@ from server.metrics import Metrics
 from server.metrics import router as metrics_router
 from server.model_fit import LoadAdmission
 from server.openai_routes import router as openai_router
+from server.openapi_doc import install_openapi_errors
+from server.responses import router as responses_router
 from server.settings import Settings
 from server.state import ServerState
 from server.stats import LatencyWindow, read_sample
@@ -32,12 +34,23 @@ from server.stats import router as stats_router
 
 log = logging.getLogger("mlx_headroom.server")
 
-DASHBOARD_DIR = Path(__file__).resolve().parent.parent / "dashboard"
+def dashboard_dir() -> Path | None:
+    """The dashboard's static files: package data in an installed wheel (`server/dashboard/`,
+    see setup.py), else the source tree's top-level `dashboard/`."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "dashboard", here.parent / "dashboard"):
+        if (candidate / "index.html").is_file():
+            return candidate
+    return None
+
+
+DASHBOARD_DIR = dashboard_dir()
 
 
 def make_guard(settings: Settings, probe: Probe | None = None) -> MemoryGuard:
     return MemoryGuard(
-        probe or detect_probe(settings.memory_probe),
+        ResilientProbe(probe or detect_probe(settings.memory_probe),
+                       grace_s=settings.memory_probe_grace_s),
         enabled=settings.memory_guard,
         tier=Tier(settings.memory_tier),
         custom_ceiling_bytes=settings.memory_ceiling_bytes,
@@ -61,7 +74,10 @@ def create_app(
     probe: Probe | None = None,
     load: Callable[[], LoadedModel] | None = None,
     load_admission: LoadAdmission | None = None,
+    on_engine_death: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
+    """The app. `on_engine_death` runs on the event loop when the engine thread dies (the
+    CLI stops the server and exits non-zero, so a supervisor restarts it)."""
     settings = settings or Settings()
     guard = make_guard(settings, probe)
     engine = EngineClient(
@@ -70,6 +86,7 @@ def create_app(
         guard=guard,
         config=engine_config(settings),
         max_queue=settings.max_queue,
+        on_death=on_engine_death,
     )
     state = ServerState(settings=settings, engine=engine, guard=guard, load_admission=load_admission)
     history = History(lambda: read_sample(state))
@@ -90,6 +107,8 @@ def create_app(
     app.state.server = state
     install_error_handlers(app)
     app.include_router(openai_router)
+    app.include_router(responses_router)
+    install_openapi_errors(app)
     app.include_router(admin_router)
     app.include_router(metrics_router)
     app.include_router(stats_router)
@@ -114,6 +133,6 @@ def create_app(
         cors_origins=settings.cors_origins))
     app.add_middleware(AccessLogMiddleware, log_prompts=settings.log_prompts,
                        observe=observe)
-    if DASHBOARD_DIR.is_dir():
+    if DASHBOARD_DIR is not None:
         app.mount("/dashboard", StaticFiles(directory=DASHBOARD_DIR, html=True), name="dashboard")
     return app

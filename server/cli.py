@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,10 +13,23 @@ import uvicorn
 
 from server.settings import Settings
 
+EXIT_ENGINE_DIED = 1
+EXIT_STARTUP_FAILED = 3  # uvicorn's own code for a failed startup
+
 
 class _Server(uvicorn.Server):
     """uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, so the process would
-    die of the signal; a service that drained cleanly should exit 0 instead."""
+    die of the signal; a service that drained cleanly should exit 0 instead. When the
+    engine dies, `fail` stops it with a non-zero code, so that launchd's KeepAlive or
+    systemd's Restart=on-failure starts a fresh process."""
+
+    exit_code = 0
+
+    def fail(self, exc: BaseException) -> None:
+        print(f"mlx-headroom: the engine died ({type(exc).__name__}: {exc}); exiting with "
+              f"status {EXIT_ENGINE_DIED}", file=sys.stderr)
+        self.exit_code = EXIT_ENGINE_DIED
+        self.should_exit = True
 
     @contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -62,11 +76,18 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-prompts", action="store_true", default=None,
                        help="put prompt and completion text in the access log")
     serve.add_argument("--log-level")
+    serve.add_argument("--responses-store-entries", type=int)
+    serve.add_argument("--responses-store-bytes", type=int)
+    serve.add_argument("--env-file", help="read MLX_HEADROOM_* settings (e.g. keys) from this file "
+                       "instead of ./.env (what `service install` writes, mode 0600)")
     serve.add_argument("--reserve-context-tokens", type=int,
                        help="tokens of context the model must have room for to load (default 8192)")
     serve.add_argument("--force-load", action="store_true", default=None,
                        help="load the model even when weights + reserve exceed the ceiling")
     sub.add_parser("build-default-model", help="build the embedded default model and print its path")
+    sub.add_parser("service", add_help=False,
+                   help="run under launchd/systemd: install | uninstall | status | logs "
+                   "(`mlx-headroom service --help`)")
     from server.doctor import add_doctor_parser
 
     add_doctor_parser(sub)
@@ -75,12 +96,33 @@ def _parser() -> argparse.ArgumentParser:
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     overrides: dict[str, Any] = {
-        k: v for k, v in vars(args).items() if k != "command" and v is not None
+        k: v for k, v in vars(args).items() if k not in ("command", "env_file") and v is not None
     }
+    env_file = getattr(args, "env_file", None)
+    if env_file is not None:
+        if not os.path.isfile(env_file):
+            raise ValueError(f"--env-file {env_file}: no such file")
+        return Settings(_env_file=env_file, **overrides)  # type: ignore[call-arg]
     return Settings(**overrides)
 
 
+def _check_serve_flags(argv: list[str]) -> str | None:
+    """For `service install`: the serve flags parse, and the settings they make can start."""
+    from server.auth import startup_problem
+
+    try:
+        args = _parser().parse_args(["serve", *argv])
+    except SystemExit:
+        return "invalid serve flags (see `mlx-headroom serve --help`)"
+    return startup_problem(settings_from_args(args))
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["service"]:
+        from server.service import main as service_main
+
+        return service_main(argv[1:], validate=_check_serve_flags)
     args = _parser().parse_args(argv)
     if args.command == "build-default-model":
         from engine.tiny_model import ensure_default_model
@@ -91,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         from server.doctor import run_doctor
 
         return run_doctor(args)
-    settings = settings_from_args(args)
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        print(f"mlx-headroom: {exc}", file=sys.stderr)
+        return 2
     from server.auth import startup_problem
 
     if (problem := startup_problem(settings)) is not None:
@@ -109,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_DOES_NOT_FIT
     from server.app import create_app
 
-    app = create_app(settings, load_admission=load_admission)
+    servers: list[_Server] = []
+    app = create_app(settings, load_admission=load_admission,
+                     on_engine_death=lambda exc: servers[0].fail(exc))
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -119,8 +167,15 @@ def main(argv: list[str] | None = None) -> int:
         access_log=False,
         log_config=None,
     )
-    _Server(config).run()
-    return 0
+    server = _Server(config)
+    servers.append(server)
+    server.run()
+    if not server.started:
+        return EXIT_STARTUP_FAILED
+    if server.exit_code == 0 and not app.state.server.engine.stopped_cleanly:
+        print("mlx-headroom: the engine did not stop cleanly", file=sys.stderr)
+        return EXIT_ENGINE_DIED
+    return server.exit_code
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@
     ├── TooManyRequests (429) waiting queue full; with Retry-After
     ├── RequestTimeout (504)  the request ran past request_timeout_s; it was aborted
     ├── InsufficientStorage (507) the memory guard refused; with the guard's numbers
-    └── ServiceUnavailable (503) the engine is not running
+    └── ServiceUnavailable (503) the engine is not running; the memory probe is unavailable
+                              (with Retry-After)
 
 Engine errors are translated here, at the boundary, so the engine never knows HTTP.
 """
@@ -28,8 +29,10 @@ from engine import (
     ContextLengthError,
     EngineDeadError,
     InsufficientMemoryError,
+    MemoryProbeUnavailableError,
     QueueFullError,
 )
+from memory import ProbeUnavailableError
 
 log = logging.getLogger("mlx_headroom.server")
 
@@ -128,6 +131,11 @@ def from_engine_error(exc: Exception) -> APIError:
         return TooManyRequests(str(exc), code="queue_full", headers={"Retry-After": "1"})
     if isinstance(exc, ContextLengthError):
         return BadRequest(str(exc), code="context_length_exceeded", param="messages")
+    if isinstance(exc, (MemoryProbeUnavailableError, ProbeUnavailableError)):
+        return ServiceUnavailable(
+            str(exc), code="memory_probe_unavailable",
+            headers={"Retry-After": str(exc.retry_after_s), "x-should-retry": "true"},
+        )
     if isinstance(exc, EngineDeadError):
         return ServiceUnavailable(str(exc), code="engine_unavailable")
     log.exception("unexpected error", exc_info=exc)
@@ -155,6 +163,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         return answer(request, exc)
+
+    @app.exception_handler(ProbeUnavailableError)
+    async def probe_unavailable(request: Request, exc: ProbeUnavailableError) -> JSONResponse:
+        return answer(request, from_engine_error(exc))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

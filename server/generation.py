@@ -8,15 +8,17 @@ so a memory refusal is a real 507, never a 200 followed by an error event.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 
 from engine import EngineClient, EngineRequest, RequestOutput, RequestStream, SamplingParams
+from engine.logits_processor import LogitsProcessor
 from server.errors import APIError, BadRequest, RequestTimeout, from_engine_error
 from server.text_stream import ChoiceText, TextDelta
 
@@ -32,6 +34,10 @@ class ChoiceResult:
     logprobs: list[Any] = field(default_factory=list)
 
 
+def _no_processor() -> LogitsProcessor | None:
+    return None
+
+
 @dataclass(frozen=True)
 class Prepared:
     prompt_tokens: list[int]
@@ -39,6 +45,15 @@ class Prepared:
     sampling: SamplingParams
     stops: list[str]
     n: int
+    # Makes each choice's own LogitsProcessor (grammar state, penalty counts), or None.
+    new_processor: Callable[[], LogitsProcessor | None] = _no_processor
+    # Further prompts served as one batch (/v1/completions with a list of prompts):
+    # choice i*n + j answers prompt i.
+    more_prompts: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def prompts(self) -> list[tuple[int, ...]]:
+        return [tuple(self.prompt_tokens), *self.more_prompts]
 
 
 def prepare(
@@ -50,6 +65,7 @@ def prepare(
     max_tokens_cap: int,
     logprobs: bool,
     top_logprobs: int,
+    new_processor: Callable[[], LogitsProcessor | None] = _no_processor,
 ) -> Prepared:
     """Validate lengths against the context and build the sampling parameters."""
     room = context_length - len(prompt_tokens)
@@ -76,8 +92,9 @@ def prepare(
         seed=body.seed,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        logit_bias=body.logit_bias_pairs() if hasattr(body, "logit_bias_pairs") else (),
     )
-    return Prepared(prompt_tokens, max_tokens, sampling, body.stop_list, body.n)
+    return Prepared(prompt_tokens, max_tokens, sampling, body.stop_list, body.n, new_processor)
 
 
 class Generation:
@@ -100,22 +117,22 @@ class Generation:
         self.finished_at: float | None = None
         self.error: APIError | None = None
         self._deadline: asyncio.TimerHandle | None = None
-        self.choices = [
-            ChoiceResult(i, ChoiceText(tokenizer, prepared.stops)) for i in range(prepared.n)
-        ]
+        prompts = prepared.prompts
+        total = prepared.n * len(prompts)
+        self.choices = [ChoiceResult(i, ChoiceText(tokenizer, prepared.stops)) for i in range(total)]
         self._streams: list[RequestStream] = []
         self._feed: asyncio.Queue[tuple[int, RequestOutput | BaseException] | object] = (
             asyncio.Queue()
         )
         self._pumps: list[asyncio.Task[None]] = []
         stop_ids = frozenset(tokenizer.eos_token_ids)
-        for i in range(prepared.n):
-            sampling = prepared.sampling
+        for i in range(total):
+            sampling = dataclasses.replace(prepared.sampling, processor=prepared.new_processor())
             if sampling.seed is not None and i > 0:
-                sampling = SamplingParams(**{**sampling.__dict__, "seed": sampling.seed + i})
+                sampling = dataclasses.replace(sampling, seed=sampling.seed + i)
             request = EngineRequest(
                 request_id=f"{self.id}-{i}",
-                prompt_tokens=tuple(prepared.prompt_tokens),
+                prompt_tokens=prompts[i // prepared.n],
                 max_tokens=prepared.max_tokens,
                 sampling=sampling,
                 stop_token_ids=stop_ids,
@@ -205,7 +222,7 @@ class Generation:
             task.cancel()
 
     def usage(self) -> dict[str, Any]:
-        prompt = len(self.prepared.prompt_tokens)
+        prompt = sum(len(p) for p in self.prepared.prompts)
         completion = sum(c.text.completion_tokens for c in self.choices)
         cached = max((c.cached_tokens for c in self.choices), default=0)
         return {

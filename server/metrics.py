@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from memory import MemoryGuard, ProbeUnavailableError
 from server.state import ServerState
 
 router = APIRouter()
@@ -41,21 +42,7 @@ class EngineCollector(Collector):
         yield queue
 
         guard = self.state.guard
-        snapshot = guard.snapshot()
-        ceiling = guard.ceiling(snapshot)
-        yield GaugeMetricFamily("mlx_headroom_memory_usage_bytes",
-                                "this process's memory use (footprint less the allocator cache)",
-                                value=snapshot.footprint_bytes - snapshot.allocator_cache_bytes)
-        yield GaugeMetricFamily("mlx_headroom_memory_footprint_bytes", "this process's footprint",
-                                value=snapshot.footprint_bytes)
-        yield GaugeMetricFamily("mlx_headroom_memory_ceiling_bytes", "the hard memory ceiling",
-                                value=ceiling.hard_bytes)
-        components = GaugeMetricFamily("mlx_headroom_memory_ceiling_component_bytes",
-                                       "each limit the ceiling is the smallest of",
-                                       labels=["component"])
-        for name, value in sorted(ceiling.components.items()):
-            components.add_metric([name], value)
-        yield components
+        yield from _memory_gauges(guard)
         yield GaugeMetricFamily("mlx_headroom_committed_bytes",
                                 "memory reserved for admitted requests", value=stats.committed_bytes)
         yield GaugeMetricFamily("mlx_headroom_kv_cache_bytes", "KV cache of running requests",
@@ -132,3 +119,30 @@ class Metrics:
 @router.get("/metrics", include_in_schema=False)
 async def metrics(request: Request) -> Response:
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _memory_gauges(guard: MemoryGuard) -> Iterator[Metric]:
+    """The probe's reading and the ceiling; only the probe's status while it is unavailable."""
+    try:
+        snapshot = guard.snapshot()
+    except ProbeUnavailableError:
+        snapshot = None
+    yield GaugeMetricFamily("mlx_headroom_memory_probe_available",
+                            "1 while the memory probe answers (or its last reading stands in)",
+                            value=0 if snapshot is None else 1)
+    if snapshot is None:
+        return
+    ceiling = guard.ceiling(snapshot)
+    yield GaugeMetricFamily("mlx_headroom_memory_usage_bytes",
+                            "this process's memory use (footprint less the allocator cache)",
+                            value=snapshot.footprint_bytes - snapshot.allocator_cache_bytes)
+    yield GaugeMetricFamily("mlx_headroom_memory_footprint_bytes", "this process's footprint",
+                            value=snapshot.footprint_bytes)
+    yield GaugeMetricFamily("mlx_headroom_memory_ceiling_bytes", "the hard memory ceiling",
+                            value=ceiling.hard_bytes)
+    components = GaugeMetricFamily("mlx_headroom_memory_ceiling_component_bytes",
+                                   "each limit the ceiling is the smallest of",
+                                   labels=["component"])
+    for name, value in sorted(ceiling.components.items()):
+        components.add_metric([name], value)
+    yield components

@@ -18,7 +18,7 @@ from server.settings import Settings
 
 log = logging.getLogger("mlx_headroom.server")
 
-EXIT_DOES_NOT_FIT = 3
+EXIT_DOES_NOT_FIT = 4  # distinct from 1 (engine died), 2 (bad flags), 3 (uvicorn start-up)
 
 
 class LoadRefused(Exception):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -11,11 +12,22 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine import TokenLogprob
+from server.chat_plan import ChatPlan, plan_chat
 from server.errors import APIError, BadRequest, NotFound
 from server.generation import ChoiceResult, Generation, gather, prepare
 from server.schemas import ChatCompletionRequest, CompletionRequest
 from server.state import ServerState, get_state
+from server.structured import ProcessorFactory, Shaping, check_logit_bias, response_format_grammar
 from server.text_stream import TextDelta
+from server.tools import (
+    ArgumentsDelta,
+    CallStarted,
+    ContentText,
+    FunctionTool,
+    ParseEvent,
+    ToolCall,
+    ToolChoice,
+)
 
 router = APIRouter()
 
@@ -47,7 +59,8 @@ def _chat_logprobs(tokenizer: Any, items: list[TokenLogprob]) -> dict[str, Any]:
         "content": [
             {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
             for lp in items
-        ]
+        ],
+        "refusal": None,
     }
 
 
@@ -63,49 +76,86 @@ def _completion_logprobs(tokenizer: Any, items: list[TokenLogprob], offset: int)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
-async def _tokenize_chat(state: ServerState, body: ChatCompletionRequest) -> list[int]:
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    chars = sum(len(m["content"]) for m in messages)
-    state.check_prompt_size(len(messages), chars)
-    tokenizer = state.tokenizer
-
-    def run() -> list[int]:
-        if tokenizer.has_chat_template:
-            return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-        text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
-        return list(tokenizer.encode(text))
-
-    try:
-        return await asyncio.to_thread(run)
-    except Exception as exc:
-        raise BadRequest(f"the messages could not be formatted: {exc}", param="messages") from exc
-
-
-async def _tokenize_prompt(state: ServerState, body: CompletionRequest) -> list[int]:
-    if isinstance(body.prompt, list):
-        vocab = state.vocab_size
-        bad = next((t for t in body.prompt if t >= vocab), None)
+async def _tokenize_prompts(state: ServerState, body: CompletionRequest) -> list[list[int]]:
+    prompts = body.prompts
+    vocab = state.vocab_size
+    texts = [p for p in prompts if isinstance(p, str)]
+    state.check_prompt_size(len(prompts), sum(len(t) for t in texts))
+    out: list[list[int]] = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            out.append(list(await asyncio.to_thread(state.tokenizer.encode, prompt)))
+            continue
+        bad = next((t for t in prompt if t >= vocab), None)
         if bad is not None:
-            raise BadRequest(
-                f"token id {bad} is outside the vocabulary (size {vocab})", param="prompt"
-            )
-        return list(body.prompt)
-    state.check_prompt_size(1, len(body.prompt))
-    return list(await asyncio.to_thread(state.tokenizer.encode, body.prompt))
+            where = f" (prompt {i})" if len(prompts) > 1 else ""
+            raise BadRequest(f"token id {bad} is outside the vocabulary (size {vocab}){where}",
+                             param="prompt")
+        out.append(list(prompt))
+    return out
 
 
-def _start(state: ServerState, body: Any, tokens: list[int], logprobs: bool, top: int) -> Generation:
-    prepared = prepare(
-        prompt_tokens=tokens,
-        body=body,
-        context_length=state.context_length,
-        default_max_tokens=state.settings.default_max_tokens,
-        max_tokens_cap=state.settings.max_tokens_cap,
-        logprobs=logprobs,
-        top_logprobs=top,
+def _start(state: ServerState, body: Any, tokens: list[int] | list[list[int]], logprobs: bool, top: int,
+           new_processor: ProcessorFactory | None = None) -> Generation:
+    """Prepare (each prompt checked against the context) and submit the generation."""
+    batch: list[list[int]] = tokens if tokens and isinstance(tokens[0], list) else [tokens]  # type: ignore[list-item]
+    each = [
+        prepare(
+            prompt_tokens=prompt,
+            body=body,
+            context_length=state.context_length,
+            default_max_tokens=state.settings.default_max_tokens,
+            max_tokens_cap=state.settings.max_tokens_cap,
+            logprobs=logprobs,
+            top_logprobs=top,
+            **({"new_processor": new_processor} if new_processor is not None else {}),
+        )
+        for prompt in batch
+    ]
+    prepared = dataclasses.replace(
+        each[0], max_tokens=min(p.max_tokens for p in each),
+        more_prompts=tuple(tuple(p.prompt_tokens) for p in each[1:]),
     )
     return Generation(state.engine, state.tokenizer, prepared,
                       timeout_s=state.settings.request_timeout_s)
+
+
+def _check_supported(body: Any) -> None:
+    name = body.unsupported()
+    if name is not None:
+        raise BadRequest(f"'{name}' is not supported by this server", code="unsupported_parameter",
+                         param=name)
+
+
+async def _plan_chat(state: ServerState, body: ChatCompletionRequest) -> ChatPlan:
+    tools = [FunctionTool(t.function.name, t.function.description, t.function.parameters,
+                          bool(t.function.strict)) for t in body.tools or []]
+    choice = body.tool_choice
+    if choice is None:
+        mode = ToolChoice("auto" if tools else "none")
+    elif isinstance(choice, str):
+        mode = ToolChoice(choice)
+    else:
+        mode = ToolChoice("named", choice.function.name)
+    fmt = body.response_format
+    grammar = None
+    if fmt is not None:
+        schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
+        grammar = response_format_grammar(fmt.type, schema, param="response_format")
+    check_logit_bias(state, body.logit_bias_pairs())
+    return await plan_chat(
+        state, [m.template_dict() for m in body.messages], tools=tools, choice=mode,
+        parallel_tool_calls=body.parallel_tool_calls, response_format=grammar,
+        frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+    )
+
+
+def _tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": call.id, "type": "function",
+                           "function": {"name": call.name, "arguments": call.arguments}}
+    if index is not None:
+        out["index"] = index
+    return out
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -114,10 +164,13 @@ async def chat_completions(
 ) -> JSONResponse | StreamingResponse:
     state = get_state(request)
     _check_model(state, body.model)
-    tokens = await _tokenize_chat(state, body)
-    generation = _start(state, body, tokens, body.logprobs, body.top_logprobs or 0)
+    _check_supported(body)
+    plan = await _plan_chat(state, body)
+    generation = _start(state, body, plan.tokens, body.logprobs, body.top_logprobs or 0,
+                        plan.new_processor)
     request.state.generation = generation
     tokenizer = state.tokenizer
+    parsers = [plan.parser() for _ in generation.choices]
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
         payload: dict[str, Any] = {
@@ -133,17 +186,45 @@ async def chat_completions(
 
     if body.stream:
         first = await _first_or_error(generation)
+        calls_sent = [0] * len(generation.choices)
 
         def event(choice: ChoiceResult, delta: TextDelta, finish: str | None) -> bytes:
-            return chunk([{
-                "index": choice.index,
-                "delta": {"content": delta.text} if delta.text else {},
-                "logprobs": _chat_logprobs(tokenizer, delta.logprobs) if body.logprobs else None,
-                "finish_reason": finish,
-            }])
+            parser = parsers[choice.index]
+            if parser is None:
+                events: list[ParseEvent] = [ContentText(delta.text)] if delta.text else []
+            else:
+                piece = parser.feed(delta.text)
+                if finish is not None:
+                    piece.extend(parser.finish())
+                events = piece.events
+            logprobs = _chat_logprobs(tokenizer, delta.logprobs) if body.logprobs and delta.logprobs else None
+            out = b""
+
+            def send(d: dict[str, Any], lp: dict[str, Any] | None = None) -> bytes:
+                return chunk([{"index": choice.index, "delta": d, "logprobs": lp, "finish_reason": None}])
+
+            for item in events:
+                # OpenAI's order for a call: id, type and name first, then argument fragments.
+                if isinstance(item, ContentText):
+                    out += send({"content": item.text}, logprobs)
+                    logprobs = None
+                elif isinstance(item, CallStarted):
+                    calls_sent[choice.index] += 1
+                    out += send({"tool_calls": [{"index": item.index, "id": item.call_id, "type": "function",
+                                                 "function": {"name": item.name, "arguments": ""}}]})
+                elif isinstance(item, ArgumentsDelta):
+                    out += send({"tool_calls": [{"index": item.index,
+                                                 "function": {"arguments": item.delta}}]})
+            if logprobs is not None:
+                out += send({"content": ""}, logprobs)
+            if finish is not None:
+                reason = "tool_calls" if calls_sent[choice.index] and finish == "stop" else finish
+                out += chunk([{"index": choice.index, "delta": {}, "logprobs": None,
+                               "finish_reason": reason}])
+            return out
 
         role = chunk([
-            {"index": c.index, "delta": {"role": "assistant", "content": ""},
+            {"index": c.index, "delta": {"role": "assistant", "content": "", "refusal": None},
              "logprobs": None, "finish_reason": None}
             for c in generation.choices
         ])
@@ -157,11 +238,24 @@ async def chat_completions(
         generation.close()
 
     def message(c: ChoiceResult) -> dict[str, Any]:
+        parser = parsers[c.index]
+        content: str | None = c.text.text
+        msg: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+        finish = c.finish_reason
+        if parser is not None:
+            piece = parser.feed(c.text.text)
+            tail = parser.finish()
+            text, calls = piece.text + tail.text, piece.calls + tail.calls
+            msg["content"] = text if text or not calls else None
+            if calls:
+                msg["tool_calls"] = [_tool_call_json(call) for call in calls]
+                if finish == "stop":
+                    finish = "tool_calls"
         return {
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text.text},
+            "message": msg,
             "logprobs": _chat_logprobs(tokenizer, c.logprobs) if body.logprobs else None,
-            "finish_reason": c.finish_reason,
+            "finish_reason": finish,
         }
 
     return JSONResponse({
@@ -178,12 +272,15 @@ async def chat_completions(
 async def completions(body: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
     state = get_state(request)
     _check_model(state, body.model)
-    tokens = await _tokenize_prompt(state, body)
+    _check_supported(body)
+    check_logit_bias(state, body.logit_bias_pairs())
+    prompts = await _tokenize_prompts(state, body)
     want_logprobs = body.logprobs is not None
-    generation = _start(state, body, tokens, want_logprobs, body.logprobs or 0)
+    shaping = Shaping(None, body.frequency_penalty, body.presence_penalty)
+    generation = _start(state, body, prompts, want_logprobs, body.logprobs or 0, shaping.factory())
     request.state.generation = generation
     tokenizer = state.tokenizer
-    offsets = [0] * body.n
+    offsets = [0] * len(generation.choices)
 
     def payload(choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -225,11 +322,15 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
         await gather(generation, request)
     finally:
         generation.close()
-    prefix = body.prompt if body.echo and isinstance(body.prompt, str) else ""
+    echoes = [p if isinstance(p, str) else tokenizer.decode(p) for p in body.prompts] if body.echo else []
+
+    def prefix(index: int) -> str:
+        return echoes[index // body.n] if echoes else ""
+
     return JSONResponse(payload([
         {
             "index": c.index,
-            "text": prefix + c.text.text,
+            "text": prefix(c.index) + c.text.text,
             "logprobs": logprobs_for(c.index, c.logprobs),
             "finish_reason": c.finish_reason,
         }
@@ -237,19 +338,26 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
     ], generation.usage()))
 
 
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.started_at,
+        "owned_by": "mlx-headroom",
+        "context_length": state.context_length if state.ready else None,
+    }
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(get_state(request))]}
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, request: Request) -> dict[str, Any]:
     state = get_state(request)
-    return {
-        "object": "list",
-        "data": [{
-            "id": state.model_name,
-            "object": "model",
-            "created": state.started_at,
-            "owned_by": "mlx-headroom",
-            "context_length": state.context_length if state.ready else None,
-        }],
-    }
+    _check_model(state, model)
+    return _model_card(state)
 
 
 def _event_stream(

@@ -40,8 +40,15 @@ class Settings(BaseSettings):
     memory_ceiling_bytes: int | None = Field(None, gt=0)
     memory_probe: Literal["auto", "macos", "linux", "cuda", "allocator"] = "auto"
     memory_wait_timeout_s: float = Field(30.0, ge=0)
+    memory_probe_grace_s: float = Field(
+        5.0, ge=0, description="how long the last good memory reading stands in for a failing probe"
+    )
     prefix_cache_bytes: int = Field(2 * GiB, ge=0)
     prefix_cache_entries: int = Field(16, ge=0)
+
+    # Responses API: the in-memory store behind `previous_response_id` (requests with store=true)
+    responses_store_entries: int = Field(256, ge=0, description="stored responses kept, at most")
+    responses_store_bytes: int = Field(64 << 20, ge=0, description="bytes of stored responses, at most")
 
     # load admission (issue 15)
     reserve_context_tokens: int = Field(

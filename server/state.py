@@ -23,6 +23,7 @@ class ServerState:
     load_admission: LoadAdmission | None = None  # the start-up fit verdict (serve only)
     started_at: int = field(default_factory=lambda: int(time.time()))
     shutting_down: bool = False
+    grammar_compiler: Any = None  # server.structured.grammar_compiler builds it on first use
 
     @property
     def ready(self) -> bool:

@@ -51,6 +51,8 @@ class ServerProcess:
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
+    # What python runs: the CLI module, or `-c CODE` that patches something first.
+    python_args: list[str] = field(default_factory=lambda: ["-m", "server.cli"])
 
     @property
     def url(self) -> str:
@@ -59,7 +61,7 @@ class ServerProcess:
     def start(self, log_dir: Path, timeout: float = 60.0) -> ServerProcess:
         env = {**os.environ, "MLX_HEADROOM_LOG_LEVEL": "info", **self.env}
         self.log_path = log_dir / f"server-{self.port}.log"
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(self.model),
+        cmd = [sys.executable, *self.python_args, "serve", "--model", str(self.model),
                "--port", str(self.port), "--served-model-name", MODEL, *self.args]
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, env=env, stdout=self.log_path.open("wb"), stderr=subprocess.STDOUT

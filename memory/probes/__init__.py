@@ -6,5 +6,14 @@ from .cuda import CudaProbe
 from .detect import detect_probe
 from .linux import LinuxProbe
 from .macos import MacOSProbe
+from .resilient import ResilientProbe
 
-__all__ = ["AllocatorProbe", "CudaProbe", "LinuxProbe", "MacOSProbe", "Probe", "detect_probe"]
+__all__ = [
+    "AllocatorProbe",
+    "CudaProbe",
+    "LinuxProbe",
+    "MacOSProbe",
+    "Probe",
+    "ResilientProbe",
+    "detect_probe",
+]

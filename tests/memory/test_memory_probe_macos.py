@@ -78,3 +78,131 @@ def test_snapshot_from_fake_vm_stats() -> None:
     assert s.wired_bytes == 400 * page
     assert s.device_cap_bytes == 21 * GiB
     assert (s.footprint_bytes, s.allocator_cache_bytes, s.taken_at) == (5 * GiB, 512 * MiB, 1.5)
+
+
+# ---- the probe against the kernel's failure modes, through a fake libc ------------------
+
+from memory import ProbeError, Tier, compute_ceiling  # noqa: E402
+from memory.probes.macos import HOST_INFO_MAX, MIG_ARRAY_TOO_LARGE, MacOSProbe  # noqa: E402
+from tests.fake_darwin import KERN_FAILURE, FakeDarwin  # noqa: E402
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def probe(fake: FakeDarwin, clock: Clock | None = None, **kwargs: object) -> MacOSProbe:
+    return MacOSProbe(
+        libc=fake, allocator=lambda: (0, 0), recommended_working_set=lambda: None,
+        clock=clock or Clock(), **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def dynamic(p: MacOSProbe) -> int:
+    return compute_ceiling(p.read(), Tier.BALANCED).components["dynamic"]
+
+
+def test_mig_array_too_large_is_retried_with_the_kernels_count() -> None:
+    # macOS 27: fine for a few calls, then the cached reply is 40 integers and a count of
+    # 38 gets -307. The probe retries with 40 and keeps using it.
+    fake = FakeDarwin(kernel_count=40, mig_after=3)
+    clock = Clock()
+    p = probe(fake, clock, vm_interval_s=0.0)
+    snaps = []
+    for _ in range(8):
+        snaps.append(p.read())
+        clock.now += 0.01
+    page = fake.page_size
+    assert all(s.active_bytes == fake.active_pages * page for s in snaps)
+    assert all(s.inactive_bytes == fake.inactive_pages * page for s in snaps)
+    assert (38, MIG_ARRAY_TOO_LARGE) in fake.vm_calls and (40, 0) in fake.vm_calls
+    assert fake.vm_calls[-1] == (40, 0)  # the kernel's count is kept: no -307 every call
+    assert [rc for _, rc in fake.vm_calls].count(MIG_ARRAY_TOO_LARGE) == 1
+    assert p.vm_failures == 0
+
+
+@pytest.mark.parametrize(
+    ("rc", "count"), [(KERN_FAILURE, 0), (MIG_ARRAY_TOO_LARGE, HOST_INFO_MAX + 1)]
+)
+def test_permanently_failing_vm_statistics_count_nothing_but_free(rc: int, count: int) -> None:
+    # A failing call never raises out of read(); with no sample, inactive and active count
+    # as zero (the dynamic ceiling is footprint + free: lower than the truth, never higher).
+    fake = FakeDarwin(fail_rc=rc, fail_count=count)
+    clock = Clock()
+    p = probe(fake, clock)
+    for _ in range(3):
+        s = p.read()
+        clock.now += 1.0
+    assert (s.inactive_bytes, s.active_bytes) == (0, 0)
+    assert s.free_bytes == (fake.free_pages + fake.speculative_pages) * fake.page_size
+    assert s.footprint_bytes == fake.current_footprint()
+    assert p.vm_failures == 3
+    assert len(fake.vm_calls) == 3  # an oversized count is not retried
+
+
+def test_a_failing_call_keeps_the_last_good_sample_for_a_while() -> None:
+    fake = FakeDarwin()
+    clock = Clock()
+    p = probe(fake, clock, vm_max_age_s=30.0)
+    good = p.read()
+    fake.fail_rc = KERN_FAILURE
+    clock.now += 20.0
+    assert p.read().inactive_bytes == good.inactive_bytes  # the sample is 20 s old: kept
+    clock.now += 11.0
+    assert p.read().inactive_bytes == 0  # 31 s: too old to trust
+    fake.fail_rc = None
+    clock.now += 1.0
+    assert p.read().inactive_bytes == good.inactive_bytes and p.vm_failures == 0
+
+
+def test_stale_counts_do_not_count_our_allocation_as_free() -> None:
+    # The rate limiter answers with the counts of a second ago while this process
+    # allocates 4 GiB: free must come fresh (sysctl), or the 4 GiB counts twice, as our
+    # footprint and still as free, and the dynamic ceiling rises by 4 GiB.
+    fake = FakeDarwin()
+    p = probe(fake, vm_interval_s=0.0)
+    before = dynamic(p)
+    fake.rate_limited = True
+    fake.allocate(4 * GiB)
+    s = p.read()
+    assert s.active_bytes == (fake.active_pages - 4 * GiB // fake.page_size) * fake.page_size  # stale
+    assert s.free_bytes == (fake.free_pages + fake.speculative_pages) * fake.page_size  # fresh
+    assert dynamic(p) <= before
+
+
+def test_without_the_sysctl_free_moves_with_our_footprint() -> None:
+    # An OS without vm.page_free_count: the sample's free count is paired with the
+    # footprint read with it, and moved by how much the footprint has grown since.
+    fake = FakeDarwin(sysctl_vm_counts=False)
+    clock = Clock()
+    p = probe(fake, clock)  # samples VM statistics at most once a second
+    before = p.read()
+    fake.allocate(4 * GiB)
+    clock.now += 0.5
+    after = p.read()
+    assert len(fake.vm_calls) == 1
+    assert after.free_bytes == before.free_bytes - 4 * GiB
+    assert after.footprint_bytes == before.footprint_bytes + 4 * GiB
+
+
+def test_vm_statistics_are_sampled_at_most_once_a_second() -> None:
+    fake = FakeDarwin()
+    clock = Clock()
+    p = probe(fake, clock)
+    for _ in range(20):
+        p.read()
+        clock.now += 0.1
+    assert len(fake.vm_calls) == 2  # at 100.0 and 101.0
+
+
+def test_no_free_figure_at_all_is_a_probe_error() -> None:
+    fake = FakeDarwin(sysctl_vm_counts=False, fail_rc=KERN_FAILURE)
+    with pytest.raises(ProbeError):
+        probe(fake).read()
+    fake = FakeDarwin(fail_rusage=True)
+    with pytest.raises(ProbeError):
+        probe(fake).read()

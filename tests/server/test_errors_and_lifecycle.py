@@ -34,7 +34,7 @@ def assert_error(r: httpx.Response, status: int, code: str | None = None) -> dic
         ({"model": MODEL, "messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
         ({"model": MODEL, "messages": MESSAGES, "top_logprobs": 3}, None),
         ({"model": MODEL, "messages": MESSAGES, "n": 100}, "n"),
-        ({"model": MODEL, "messages": MESSAGES, "stop": [""]}, "stop"),
+        ({"model": MODEL, "messages": MESSAGES, "stop": ["x"] * 17}, "stop"),
         ({"messages": MESSAGES}, "model"),
     ],
 )

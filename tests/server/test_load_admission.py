@@ -39,7 +39,7 @@ def doctor(*args: str) -> tuple[int, dict[str, Any]]:
 def test_a_model_whose_reserve_exceeds_the_ceiling_is_refused_at_start_up(tmp_path: Path) -> None:
     out = cli("serve", "--model", "tiny", *TINY_DUMMY, *simulated(30_000_000),
               "--port", str(free_port()))
-    assert out.returncode == 3, out.stderr
+    assert out.returncode == 4, out.stderr
     err = out.stderr
     assert "not loading tiny: tiny does not fit" in err
     # the numbers: weights, the reserve's KV, the chunk, the total, and the binding ceiling

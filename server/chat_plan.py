@@ -1,0 +1,89 @@
+"""What a chat-shaped request (OpenAI chat, the Responses API) turns into before it is
+submitted: prompt tokens through the chat template, the tools in play, the grammar that
+forces a call or a response format, and each choice's output parser.
+
+Everything that can fail on bad input (the template, the tools, the schema) fails here,
+as a 400, before anything reaches the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.grammar import Grammar
+from server.errors import BadRequest
+from server.state import ServerState
+from server.structured import ProcessorFactory, Shaping, compile_grammar, grammar_compiler
+from server.tools import (
+    FunctionTool,
+    ToolCallParser,
+    ToolChoice,
+    ToolError,
+    ToolSyntax,
+    check_tools,
+    render_prompt,
+    tool_call_grammar,
+)
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    tokens: list[int]
+    tools: list[FunctionTool] = field(default_factory=list)
+    syntax: ToolSyntax | None = None  # set when the output is parsed for tool calls
+    new_processor: ProcessorFactory = lambda: None
+
+    def parser(self) -> ToolCallParser | None:
+        """A fresh parser for one choice, or None when tools are not in play."""
+        return ToolCallParser(self.syntax, self.tools) if self.syntax is not None else None
+
+
+async def plan_chat(
+    state: ServerState,
+    messages: list[dict[str, Any]],
+    *,
+    tools: list[FunctionTool],
+    choice: ToolChoice,
+    parallel_tool_calls: bool = True,
+    response_format: Grammar | None = None,
+    frequency_penalty: float = 0.0,
+    presence_penalty: float = 0.0,
+    messages_param: str = "messages",
+    tools_param: str = "tool_choice",
+    format_param: str = "response_format",
+) -> ChatPlan:
+    chars = sum(len(m.get("content") or "") for m in messages)
+    state.check_prompt_size(len(messages), chars)
+    try:
+        check_tools(tools, choice)
+    except ToolError as exc:
+        raise BadRequest(str(exc), code="invalid_tools", param=tools_param) from exc
+    tokenizer = state.tokenizer
+    active = tools if choice.mode != "none" else []
+
+    def run() -> list[int]:
+        if tokenizer.has_chat_template:
+            return render_prompt(tokenizer, messages, active or None)
+        text = "\n".join(f"{m['role']}: {m.get('content') or ''}" for m in messages) + "\nassistant:"
+        return list(tokenizer.encode(text))
+
+    try:
+        tokens = await asyncio.to_thread(run)
+    except Exception as exc:
+        raise BadRequest(f"the messages could not be formatted: {exc}", param=messages_param) from exc
+
+    syntax = ToolSyntax.for_tokenizer(tokenizer) if active else None
+    grammar = response_format
+    param = format_param
+    if syntax is not None and choice.forces_call:
+        try:
+            grammar = tool_call_grammar(grammar_compiler(state), syntax, active, choice,
+                                        parallel=parallel_tool_calls)
+        except ToolError as exc:
+            raise BadRequest(str(exc), code="invalid_tools", param=tools_param) from exc
+        param = tools_param
+    compiled = await compile_grammar(state, grammar, param=param) if grammar is not None else None
+    shaping = Shaping(compiled, frequency_penalty, presence_penalty)
+    return ChatPlan(tokens, active, syntax, shaping.factory())
