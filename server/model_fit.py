@@ -102,7 +102,16 @@ def admit_load(settings: Settings, probe: Probe | None = None) -> LoadAdmission 
         raise LoadRefused(
             f"cannot size the model before loading it: {exc}. --force-load loads it unchecked."
         ) from exc
-    snapshot = (probe or detect_probe(settings.memory_probe)).read()
+    try:
+        snapshot = (probe or detect_probe(settings.memory_probe)).read()
+    except Exception as exc:  # never admit blind: a probe that cannot read refuses the load
+        if settings.force_load or not settings.memory_guard:
+            log.warning("load admission skipped: the memory probe failed: %s", exc)
+            return None
+        raise LoadRefused(
+            f"the memory probe {settings.memory_probe!r} cannot read this machine ({exc}); "
+            "`mlx-headroom doctor` shows each probe. --force-load loads it unchecked."
+        ) from exc
     report = fit_for_settings(settings, spec, snapshot)
     if report.fits:
         log.info("load admission: %s", report.message())

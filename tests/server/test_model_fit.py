@@ -25,3 +25,15 @@ def test_with_the_guard_off_a_model_that_does_not_fit_is_reported_not_refused() 
     admission = admit_load(settings, AllocatorProbe())
     assert admission is not None
     assert not admission.reserve_met and not admission.checked and not admission.forced
+
+
+class BrokenProbe:
+    def read(self) -> object:
+        raise OSError("host_statistics64 failed: -307")
+
+
+def test_a_probe_that_cannot_read_refuses_the_load_unless_forced() -> None:
+    with pytest.raises(LoadRefused, match=r"cannot read this machine \(host_statistics64"):
+        admit_load(Settings(model="tiny", load_format="dummy"), BrokenProbe())  # type: ignore[arg-type]
+    forced = Settings(model="tiny", load_format="dummy", force_load=True)
+    assert admit_load(forced, BrokenProbe()) is None  # type: ignore[arg-type]
