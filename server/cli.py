@@ -146,13 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     from server.access_log import configure_logging
 
     configure_logging(settings.log_level)
-    from server.model_fit import EXIT_DOES_NOT_FIT, LoadRefused, admit_load
+    from server.model_fit import LoadRefused, admit_load
 
     try:
         load_admission = admit_load(settings)
     except LoadRefused as exc:
         print(f"mlx-headroom: not loading {settings.public_model_name}: {exc}", file=sys.stderr)
-        return EXIT_DOES_NOT_FIT
+        return exc.exit_code
     from server.app import create_app
 
     servers: list[_Server] = []

@@ -18,11 +18,16 @@ from server.settings import Settings
 
 log = logging.getLogger("mlx_headroom.server")
 
-EXIT_DOES_NOT_FIT = 4  # distinct from 1 (engine died), 2 (bad flags), 3 (uvicorn start-up)
+EXIT_DOES_NOT_FIT = 4  # distinct from 1 (engine died), 2 (bad flags), 3 (start-up failed)
+EXIT_CANNOT_SIZE = 3  # the model or the machine could not be read: a failed start-up
 
 
 class LoadRefused(Exception):
     """The model does not fit (or could not be sized) and --force-load was not given."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_DOES_NOT_FIT) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,8 @@ def admit_load(settings: Settings, probe: Probe | None = None) -> LoadAdmission 
             log.warning("load admission skipped: cannot size the model before loading it: %s", exc)
             return None
         raise LoadRefused(
-            f"cannot size the model before loading it: {exc}. --force-load loads it unchecked."
+            f"cannot size the model before loading it: {exc}. --force-load loads it unchecked.",
+            EXIT_CANNOT_SIZE,
         ) from exc
     try:
         snapshot = (probe or detect_probe(settings.memory_probe)).read()
@@ -110,7 +116,8 @@ def admit_load(settings: Settings, probe: Probe | None = None) -> LoadAdmission 
             return None
         raise LoadRefused(
             f"the memory probe {settings.memory_probe!r} cannot read this machine ({exc}); "
-            "`mlx-headroom doctor` shows each probe. --force-load loads it unchecked."
+            "`mlx-headroom doctor` shows each probe. --force-load loads it unchecked.",
+            EXIT_CANNOT_SIZE,
         ) from exc
     report = fit_for_settings(settings, spec, snapshot)
     if report.fits:

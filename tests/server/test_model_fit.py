@@ -13,8 +13,9 @@ from server.settings import Settings
 
 def test_a_model_that_cannot_be_sized_is_refused_unless_forced(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')  # no weight files
-    with pytest.raises(LoadRefused, match=r"cannot size the model.*--force-load loads it unchecked"):
+    with pytest.raises(LoadRefused, match=r"cannot size the model.*--force-load loads it unchecked") as e:
         admit_load(Settings(model=str(tmp_path)), AllocatorProbe())
+    assert e.value.exit_code == 3  # a failed start-up, not "does not fit" (4)
     assert admit_load(Settings(model=str(tmp_path), force_load=True), AllocatorProbe()) is None
     assert admit_load(Settings(model=str(tmp_path), memory_guard=False), AllocatorProbe()) is None
 
