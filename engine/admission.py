@@ -1,12 +1,22 @@
 """Turns the engine's state into the memory guard's questions, and its answers into values.
 
 The guard (memory/) knows bytes, ceilings and policy; this module knows what the engine
-holds: the decode batch, the caches of prompts being prefilled, and the prefix cache.
+holds: the KV store's reservations, the prompts being prefilled, and the prefix cache.
 
-Accounting. The decode batch is a left-padded `BatchKVCache`, so its KV grows to
-rows × the longest row's final length; admitting a request *commits* that growth, and
-what is committed but not yet allocated is passed to the guard as `committed_bytes`, so
-decoding can never outgrow what was admitted.
+Accounting. Each request reserves its own prompt + max_tokens in the KV store, rounded
+up to whole blocks (`KVStore.reservation_bytes`), and the store allocates it when the
+request is admitted: decoding writes into memory that already exists, so it can never
+outgrow what was admitted. What admission asks the guard for is the memory the store
+must newly take from the device (`KVStore.growth_bytes`: zero when a segment has the
+free blocks, else a new segment), plus the prefill chunk's transients.
+
+Memory truth. The guard counts what the device counts, MLX's buffer cache and CUDA's pool
+included; this module owns the two MLX calls that keep that honest: handing memory back
+(`mx.synchronize()` then `mx.clear_cache()`, which the guard asks for before a WAIT or an
+EVICT stands) and MLX's cache limit, set after every decision to the room it leaves, so
+cached buffers can never push the footprint past the ceiling. Each question also says what
+the request needs alone on an idle server (`solo_bytes` over `baseline_bytes`, the idle
+footprint measured at start): only if that cannot fit is a refusal final.
 """
 
 from __future__ import annotations
@@ -16,6 +26,9 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import mlx.core as mx
+
+from engine.kv import KVStore
 from engine.sequence import Sequence
 from memory import (
     AdmissionQuery,
@@ -24,9 +37,10 @@ from memory import (
     ModelGeometry,
     Outcome,
     TransientTracker,
+    cache_limit_bytes,
     estimate_prefill,
-    kv_cache_bytes,
 )
+from memory.decision import CODE_GUARD_DISABLED
 
 RECENT_CHUNKS = 32
 
@@ -59,13 +73,16 @@ class Admission:
         self,
         guard: MemoryGuard,
         geometry: ModelGeometry,
+        store: KVStore,
         *,
         backend: str,
         min_chunk_tokens: int = 32,
         tracker: TransientTracker | None = None,
+        weight_bytes: int = 0,
     ) -> None:
         self.guard = guard
         self.geometry = geometry
+        self.store = store
         self.backend = backend
         self.min_chunk_tokens = min_chunk_tokens
         self.tracker = tracker or TransientTracker()
@@ -73,22 +90,99 @@ class Admission:
         self.check_seconds = 0.0  # engine-thread time spent asking the guard: its cost
         self._chunks: deque[ChunkSample] = deque(maxlen=RECENT_CHUNKS)
         self._chunks_view: tuple[ChunkSample, ...] = ()  # rebuilt per chunk, not per step
+        self.peak_bytes = 0  # MLX's peak before the latest reset (chunks reset it)
+        # MLX's own default (32 MiB on the CPU, the memory limit on CUDA): never raised above.
+        self.default_cache_limit = mx.set_cache_limit(0)  # returns the limit it replaces
+        mx.set_cache_limit(self.default_cache_limit)
+        self.cache_limit_bytes = mx.set_cache_limit(self.default_cache_limit)  # read back
+        self.baseline_bytes = self._idle_footprint(weight_bytes)
+        self._last_upkeep = time.monotonic()
+
+    def _idle_footprint(self, weight_bytes: int) -> int:
+        """What the idle server holds (weights, runtime, CUDA context): the floor under any
+        request, measured once at start, after handing back what loading left cached."""
+        self.hand_back()
+        try:
+            footprint = self.guard.snapshot().footprint_bytes
+        except Exception:  # no reading: the weights are the floor we know
+            footprint = 0
+        return max(weight_bytes, footprint)
+
+    def hand_back(self) -> None:
+        """Give back what MLX holds but does not use: wait for queued work (on CUDA a
+        synchronize is when CUDA's pool returns freed memory to the device), free MLX's
+        buffer cache (on CUDA, into that pool), and synchronize again so the pool returns
+        those buffers too before the guard reads again."""
+        mx.synchronize()
+        mx.clear_cache()
+        mx.synchronize()
 
     def _ask(self, query: AdmissionQuery) -> Decision:
         started = time.perf_counter()
-        decision = self.guard.check(query, record=False)
+        decision = self.guard.check(query, record=False, reclaim=self.hand_back)
+        self._follow(decision)
         self.check_seconds += time.perf_counter() - started
         self.checks += 1
         return decision
 
+    def _follow(self, decision: Decision) -> None:
+        """Set MLX's cache limit to the room `decision` leaves (MLX's default when the guard
+        is off), and read it back from MLX."""
+        if decision.code == CODE_GUARD_DISABLED:
+            target = self.default_cache_limit
+        else:
+            room = cache_limit_bytes(decision)
+            if room is None:
+                return
+            target = min(room, self.default_cache_limit)
+        if target != self.cache_limit_bytes:
+            mx.set_cache_limit(target)
+            self.cache_limit_bytes = mx.set_cache_limit(target)
+
+    def follow_ceiling(self, committed: int) -> int:
+        """After the policy changed (PUT /v1/memory-guard): the cache limit from the new
+        ceiling, with what in-flight requests have committed. Returns the limit MLX holds."""
+        self._follow(
+            self.guard.check(
+                AdmissionQuery(predicted_bytes=0, committed_bytes=committed,
+                               baseline_bytes=self.baseline_bytes),
+                record=False,
+            )
+        )
+        return self.cache_limit_bytes
+
+    UPKEEP_INTERVAL_S = 1.0
+
+    def upkeep_due(self) -> bool:
+        return time.monotonic() - self._last_upkeep >= self.UPKEEP_INTERVAL_S
+
+    def upkeep(self, committed: int) -> Decision:
+        """Once a second, whatever runs (decode-only stretches ask nothing otherwise): read
+        memory, let the guard have memory handed back if the footprint holds much more than
+        MLX counts or is over the ceiling, and set the cache limit to the room left."""
+        self._last_upkeep = time.monotonic()
+        return self._ask(AdmissionQuery(predicted_bytes=0, committed_bytes=committed,
+                                        baseline_bytes=self.baseline_bytes))
+
+    def reset_peak(self) -> None:
+        """Reset MLX's peak (chunks measure their own), keeping the lifetime peak."""
+        self.peak_bytes = max(self.peak_bytes, mx.get_peak_memory())
+        mx.reset_peak_memory()
+
+    def lifetime_peak_bytes(self) -> int:
+        return max(self.peak_bytes, mx.get_peak_memory())
+
+    def solo_bytes(self, seq: Sequence, tokens: int) -> int:
+        """What `seq` needs alone on an idle server, with chunks of `tokens`: its own
+        reservation and one chunk (joining the batch copies nothing)."""
+        return self.reservation_bytes([seq]) + self.chunk_prediction(seq, tokens)
+
     def reservation_bytes(self, seqs: Iterable[Sequence]) -> int:
-        """KV the decode batch reaches if every admitted sequence runs to max_tokens,
-        plus one layer's copy for the 256-token growth step (MLX grows by concatenation)."""
-        finals = [s.final_len for s in seqs]
-        if not finals:
-            return 0
-        full = kv_cache_bytes(self.geometry, max(finals), batch=len(finals))
-        return full + full // max(self.geometry.num_layers, 1)
+        """Each sequence's own prompt + max_tokens in whole blocks; never rows × longest."""
+        return sum(self.store.reservation_bytes(s.final_len) for s in seqs)
+
+    def growth_bytes(self, seq: Sequence, *, exact: bool) -> int:
+        return self.store.growth_bytes(seq.final_len, seq.shared, exact=exact)
 
     def committed_bytes(self, admitted: list[Sequence], allocated_kv: int) -> int:
         return max(self.reservation_bytes(admitted) - allocated_kv, 0)
@@ -99,26 +193,33 @@ class Admission:
         admitted: list[Sequence],
         allocated_kv: int,
         evictable: int,
-    ) -> Decision:
+    ) -> tuple[Decision, bool]:
         """Can the request's whole reservation be had, with room left for prefill chunks?
+
+        Returns the decision and whether the store must size a new segment exactly to
+        the request (when a full default-size segment would not fit but the request does).
 
         Admission leaves headroom for the largest full-size chunk among the admitted
         requests and this one; without it, reservations could fill the ceiling and leave
         no room for anyone's next chunk. When that does not fit but a floor-sized chunk
         would, and nothing else is in flight, the request is admitted anyway: its chunks
-        will shrink rather than be refused.
+        will shrink rather than be refused. It is refused for good only if, even with
+        floor-sized chunks, it could not fit alone on an idle server.
         """
         before = self.reservation_bytes(admitted)
-        growth = self.reservation_bytes([*admitted, seq]) - before
+        floor = max(min(self.min_chunk_tokens, seq.remaining_prefill), 1)
+        solo = self.solo_bytes(seq, floor)
 
-        def ask(chunk: int) -> Decision:
+        def ask(chunk: int, exact: bool = False) -> Decision:
             return self._ask(
                 AdmissionQuery(
-                    predicted_bytes=growth + chunk,
+                    predicted_bytes=self.growth_bytes(seq, exact=exact) + chunk,
                     committed_bytes=max(before - allocated_kv, 0),
                     evictable_bytes=evictable,
                     releasable_bytes=max(before, allocated_kv),
                     request_id=seq.request_id,
+                    solo_bytes=solo,
+                    baseline_bytes=self.baseline_bytes,
                 )
             )
 
@@ -126,19 +227,24 @@ class Admission:
             (self.full_chunk_prediction(s) for s in [*admitted, seq] if s.remaining_prefill),
             default=0,
         )
+        go = (Outcome.ADMIT, Outcome.EVICT)
         decision = ask(full)
-        if decision.outcome is Outcome.REJECT and not admitted:
-            floor = self.chunk_prediction(seq, max(min(self.min_chunk_tokens, seq.remaining_prefill), 1))
-            fallback = ask(floor)
-            if fallback.outcome in (Outcome.ADMIT, Outcome.EVICT):
-                return fallback
-        return decision
+        exact = False
+        smaller = self.growth_bytes(seq, exact=True) < self.growth_bytes(seq, exact=False)
+        if decision.outcome not in go and smaller:
+            tight = ask(full, exact=True)
+            if tight.outcome in go or decision.outcome is Outcome.REJECT:
+                decision, exact = tight, True
+        if decision.outcome not in go and not admitted:
+            fallback = ask(self.chunk_prediction(seq, floor), exact=True)
+            if fallback.outcome in go:
+                return fallback, True
+        return decision, exact
 
     def full_chunk_prediction(self, seq: Sequence) -> int:
-        """A full-size chunk; for the last one, plus the copy of the prompt's KV at the join."""
+        """A full-size chunk (joining the batch copies nothing: no join term)."""
         tokens = max(min(seq.chunk_tokens, seq.remaining_prefill), 1)
-        join = kv_cache_bytes(self.geometry, seq.prompt_len) if tokens >= seq.remaining_prefill else 0
-        return self.chunk_prediction(seq, tokens) + join
+        return self.chunk_prediction(seq, tokens)
 
     def plan_chunk(
         self,
@@ -146,22 +252,15 @@ class Admission:
         admitted: list[Sequence],
         allocated_kv: int,
         evictable: int,
-        batch_kv_bytes: int = 0,
         max_tokens: int | None = None,
     ) -> ChunkPlan:
-        """Ask before the chunk; when it does not fit, halve it down to the floor first.
-
-        The last chunk is followed, in the same step, by the join: the prompt's KV is copied
-        into the batch (`BatchKVCache.merge`, then `extend`, one layer at a time), so for a
-        moment the prompt's KV exists twice and one layer of the batch three times.
-        """
+        """Ask before the chunk; when it does not fit, halve it down to the floor first."""
         committed = self.committed_bytes(admitted, allocated_kv)
-        releasable = max(self.reservation_bytes([s for s in admitted if s is not seq]), 0)
+        others = self.reservation_bytes([s for s in admitted if s is not seq])
+        releasable = max(others, allocated_kv - self.reservation_bytes([seq]))
         tokens = min(seq.chunk_tokens, seq.remaining_prefill, max_tokens or seq.chunk_tokens)
         while True:
             predicted = self.chunk_prediction(seq, tokens)
-            if tokens >= seq.remaining_prefill:
-                predicted += self.join_transient_bytes(seq, batch_kv_bytes)
             decision = self._ask(
                 AdmissionQuery(
                     predicted_bytes=predicted,
@@ -169,6 +268,8 @@ class Admission:
                     evictable_bytes=evictable,
                     releasable_bytes=releasable,
                     request_id=seq.request_id,
+                    solo_bytes=self.solo_bytes(seq, tokens),
+                    baseline_bytes=self.baseline_bytes,
                 )
             )
             if decision.outcome in (Outcome.ADMIT, Outcome.EVICT):
@@ -176,10 +277,6 @@ class Admission:
             if tokens <= self.min_chunk_tokens:
                 return ChunkPlan(tokens, predicted, decision)
             tokens = max(tokens // 2, self.min_chunk_tokens)
-
-    def join_transient_bytes(self, seq: Sequence, batch_kv_bytes: int) -> int:
-        layers = max(self.geometry.num_layers, 1)
-        return kv_cache_bytes(self.geometry, seq.prompt_len) + 2 * batch_kv_bytes // layers
 
     def observe_chunk(self, tokens: int, peak_delta_bytes: int, predicted_bytes: int = 0) -> None:
         self.tracker.observe(tokens, peak_delta_bytes)

@@ -223,6 +223,15 @@ class EngineClient:
         self.core.call(fn, done)
         return await future
 
+    async def follow_memory_policy(self) -> int | None:
+        """Have the engine re-derive MLX's cache limit from the guard's new policy; None
+        when the engine is not running."""
+        if not self.alive or self.core is None:
+            return None
+        core = self.core
+        limit: int = await self.call(core.follow_memory_policy)
+        return limit
+
     # ---- engine thread → loop --------------------------------------------------------
     def _publish(self, outputs: list[RequestOutput]) -> None:
         if self._loop is not None and not self._loop.is_closed():

@@ -8,7 +8,7 @@ and what fits beside it. Nothing here imports FastAPI, the engine or the server,
 """
 
 from .ceiling import Ceiling, CeilingConfig, Tier, compute_ceiling
-from .decision import AdmissionQuery, Decision, Outcome, decide
+from .decision import AdmissionQuery, Decision, Outcome, cache_limit_bytes, decide
 from .errors import ProbeError, ProbeUnavailableError
 from .estimate import (
     KV_STEP,
@@ -22,13 +22,15 @@ from .estimate import (
     kv_cache_bytes,
 )
 from .fit import EngineParams, FitReport, LoadRequirement, ModelSpec, compute_fit
-from .guard import GuardState, MemoryGuard
+from .guard import GuardState, HandBackPolicy, MemoryGuard
 from .probes import (
     AllocatorProbe,
     CudaProbe,
     LinuxProbe,
     MacOSProbe,
+    NvmlReading,
     Probe,
+    PynvmlReader,
     ResilientProbe,
     detect_probe,
 )
@@ -47,6 +49,7 @@ __all__ = [
     "EngineParams",
     "FitReport",
     "GuardState",
+    "HandBackPolicy",
     "LinuxProbe",
     "LoadRequirement",
     "MacOSProbe",
@@ -54,17 +57,20 @@ __all__ = [
     "MemorySnapshot",
     "ModelGeometry",
     "ModelSpec",
+    "NvmlReading",
     "Outcome",
     "PrefillEstimate",
     "Probe",
     "ProbeError",
     "ProbeUnavailableError",
+    "PynvmlReader",
     "Quantization",
     "ResilientProbe",
     "TensorInfo",
     "Tier",
     "TransientTracker",
     "WeightInventory",
+    "cache_limit_bytes",
     "compute_ceiling",
     "compute_fit",
     "decide",

@@ -12,6 +12,11 @@ Three independent limits, each a reason to stop:
 
 The hard ceiling is the smallest positive one. ``Tier.CUSTOM`` replaces static and dynamic
 with the user's number, but still never exceeds the device cap.
+
+The **fixed** ceiling leaves the dynamic limit out: it is what this process could have on a
+machine where nothing else runs. Whether a request can *ever* fit is judged against it,
+never against the dynamic limit, which moves with whatever the rest of the machine (or a
+not-yet-returned CUDA pool) holds at the moment of reading.
 """
 
 from __future__ import annotations
@@ -63,6 +68,17 @@ class Ceiling:
     binding: str  # "static" | "dynamic" | "device" | "custom"
     components: Mapping[str, int]
     tier: Tier
+
+    @property
+    def fixed_binding(self) -> str:
+        """The smallest component that does not depend on current free memory (static,
+        custom, device); the binding one if there is none."""
+        fixed = {name: v for name, v in self.components.items() if name != "dynamic"}
+        return min(fixed, key=lambda name: fixed[name]) if fixed else self.binding
+
+    @property
+    def fixed_bytes(self) -> int:
+        return self.components.get(self.fixed_binding, self.hard_bytes)
 
     def describe(self) -> str:
         """One line naming the binding limit and every component, e.g.

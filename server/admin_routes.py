@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 from engine import backend_name
 from memory import Tier
-from server.errors import BadRequest
+from server.errors import BadRequest, ServiceUnavailable
 from server.model_fit import fit_json
 from server.schemas import MemoryGuardUpdate
 from server.state import ServerState, get_state
@@ -67,6 +67,8 @@ async def put_memory_guard(update: MemoryGuardUpdate, request: Request) -> dict[
         )
     except ValueError as exc:
         raise BadRequest(str(exc), code="invalid_memory_guard", param="tier") from exc
+    # MLX's cache limit follows the ceiling: the engine re-derives it between two steps.
+    await get_state(request).engine.follow_memory_policy()
     return _guard_state(request)
 
 
@@ -74,17 +76,32 @@ async def put_memory_guard(update: MemoryGuardUpdate, request: Request) -> dict[
 async def memory_view(request: Request) -> dict[str, Any]:
     state = get_state(request)
     guard = state.guard
-    snapshot = guard.snapshot()
+    try:
+        snapshot = guard.snapshot()
+    except Exception as exc:  # a failing probe is reported, not a 500
+        raise ServiceUnavailable(f"memory probe unavailable: {exc!r}",
+                                 code="memory_probe_unavailable",
+                                 headers={"Retry-After": "5", "x-should-retry": "true"}) from exc
     ceiling = guard.ceiling(snapshot)
     stats = state.engine.stats
     prefix = stats.prefix_cache
     return {
         "platform": snapshot.platform,
-        "usage_bytes": snapshot.footprint_bytes - snapshot.allocator_cache_bytes,
+        # What the device (or OS) counts for this process, MLX's cache and CUDA's pool
+        # included, and where that figure came from; admission counts the same number.
+        "usage_bytes": snapshot.footprint_bytes,
+        "usage_source": snapshot.usage_source,
         "footprint_bytes": snapshot.footprint_bytes,
         "allocator": {
             "active_bytes": snapshot.allocator_active_bytes,
             "cache_bytes": snapshot.allocator_cache_bytes,
+            "peak_bytes": stats.peak_bytes,
+            "cache_limit_bytes": stats.cache_limit_bytes,
+            # held but counted by neither active nor cache (the CUDA context and pool)
+            "untracked_bytes": snapshot.untracked_bytes,
+            "reclaimable_bytes": snapshot.allocator_cache_bytes
+            + guard.untracked_excess_bytes(snapshot),
+            "hand_backs": guard.hand_backs,
         },
         "system": {
             "total_bytes": snapshot.total_bytes,
@@ -100,10 +117,20 @@ async def memory_view(request: Request) -> dict[str, Any]:
             "binding": ceiling.binding,
             "tier": ceiling.tier.value,
             "components": dict(ceiling.components),
+            "fixed_bytes": ceiling.fixed_bytes,
+            "fixed_binding": ceiling.fixed_binding,
         },
         "model": _model_view(state),
         "committed_bytes": stats.committed_bytes,
         "kv_bytes": stats.kv_bytes,
+        "kv": {
+            "reserved_bytes": stats.kv_reserved_bytes,
+            "used_bytes": stats.kv_used_bytes,
+            "bytes_per_token": stats.kv_bytes_per_token,
+            "pool_bytes": stats.kv_pool_bytes,
+            "block_size": stats.kv_block_size,
+            "segments": stats.kv_segments,
+        },
         "prefix_cache": {
             "bytes": prefix.bytes if prefix else 0,
             "entries": prefix.entries if prefix else 0,

@@ -14,6 +14,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from engine import EngineClient, EngineConfig, LoadedModel, load_model
 from memory import MemoryGuard, Probe, ResilientProbe, Tier, detect_probe
+from server import anthropic
 from server.access_log import AccessLogMiddleware
 from server.admin_routes import router as admin_router
 from server.auth import AuthMiddleware
@@ -54,6 +55,7 @@ def make_guard(settings: Settings, probe: Probe | None = None) -> MemoryGuard:
         enabled=settings.memory_guard,
         tier=Tier(settings.memory_tier),
         custom_ceiling_bytes=settings.memory_ceiling_bytes,
+        max_reading_age_s=settings.memory_reading_max_age_s,
     )
 
 
@@ -105,8 +107,9 @@ def create_app(
 
     app = FastAPI(title="mlx-headroom", version="0.1.0", lifespan=lifespan)
     app.state.server = state
-    install_error_handlers(app)
+    install_error_handlers(app, render=anthropic.render)
     app.include_router(openai_router)
+    app.include_router(anthropic.router)
     app.include_router(responses_router)
     install_openapi_errors(app)
     app.include_router(admin_router)
@@ -123,14 +126,16 @@ def create_app(
     # Outermost last: the access log sees every answer, the host guard refuses foreign
     # Hosts and Origins before anything else, CORS answers preflights before auth, and auth
     # refuses before a body is read.
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
-    app.add_middleware(AuthMiddleware, api_key=settings.api_key, admin_key=settings.admin_key)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes,
+                       render=anthropic.render)
+    app.add_middleware(AuthMiddleware, api_key=settings.api_key, admin_key=settings.admin_key,
+                       render=anthropic.render)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins,
                            allow_methods=["*"], allow_headers=["*"], expose_headers=["x-request-id"])
     app.add_middleware(HostGuardMiddleware, policy=HostPolicy.build(
         bind_host=settings.host, allowed_hosts=settings.allowed_hosts,
-        cors_origins=settings.cors_origins))
+        cors_origins=settings.cors_origins), render=anthropic.render)
     app.add_middleware(AccessLogMiddleware, log_prompts=settings.log_prompts,
                        observe=observe)
     if DASHBOARD_DIR is not None:

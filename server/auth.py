@@ -5,6 +5,9 @@ files (they hold no data; the page sends the key it is given). A mutating reques
 (anything but GET, HEAD, OPTIONS) outside the inference routes is an admin request; it
 needs the admin key when one is set, and the API key covers admin when none is.
 
+The key is read from `Authorization: Bearer <key>` or, as Anthropic's clients send it,
+`x-api-key: <key>`.
+
     no key set          everything is open (refused at start on a non-loopback address)
     missing/wrong key   401 authentication_error, WWW-Authenticate: Bearer
     API key on admin    403 permission_error (only when an admin key is set)
@@ -17,12 +20,17 @@ import ipaddress
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.errors import APIError, Forbidden, Unauthorized
+from server.errors import APIError, ErrorRenderer, Forbidden, Unauthorized, openai_response
 from server.settings import Settings
 
 OPEN_PATHS = frozenset({"/health"})
 OPEN_PREFIXES = ("/dashboard/",)
-INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+INFERENCE_PATHS = frozenset({
+    "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
+    "/v1/responses",
+})
+# A client's own stored responses (GET/DELETE /v1/responses/{id}) are not admin business.
+INFERENCE_PREFIXES = ("/v1/responses/",)
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
@@ -31,7 +39,8 @@ def is_open(path: str) -> bool:
 
 
 def is_admin(method: str, path: str) -> bool:
-    return method not in SAFE_METHODS and path not in INFERENCE_PATHS
+    return (method not in SAFE_METHODS and path not in INFERENCE_PATHS
+            and not path.startswith(INFERENCE_PREFIXES))
 
 
 def _matches(given: str | None, key: str | None) -> bool:
@@ -41,11 +50,16 @@ def _matches(given: str | None, key: str | None) -> bool:
 
 
 def bearer_token(scope: Scope) -> str | None:
+    """The key the request presents: a Bearer token, else an `x-api-key` header."""
+    api_key = None
     for name, value in scope.get("headers", ()):
         if name == b"authorization":
             scheme, _, token = value.decode("latin-1").partition(" ")
-            return token.strip() if scheme.lower() == "bearer" else None
-    return None
+            if scheme.lower() == "bearer":
+                return token.strip()
+        elif name == b"x-api-key":
+            api_key = value.decode("latin-1").strip()
+    return api_key
 
 
 def check(method: str, path: str, token: str | None, *, api_key: str | None,
@@ -62,16 +76,18 @@ def check(method: str, path: str, token: str | None, *, api_key: str | None,
         return None
     detail = "missing API key" if token is None else "incorrect API key"
     return Unauthorized(
-        f"{detail}; send it as 'Authorization: Bearer <key>'",
+        f"{detail}; send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
         code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
     )
 
 
 class AuthMiddleware:
-    def __init__(self, app: ASGIApp, *, api_key: str | None, admin_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, *, api_key: str | None, admin_key: str | None,
+                 render: ErrorRenderer = openai_response) -> None:
         self.app = app
         self.api_key = api_key or None
         self.admin_key = admin_key or None
+        self.render = render
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -79,7 +95,7 @@ class AuthMiddleware:
                           api_key=self.api_key, admin_key=self.admin_key)
             if error is not None:
                 scope.setdefault("state", {})["error"] = error
-                await error.response()(scope, receive, send)
+                await self.render(error, scope)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

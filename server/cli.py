@@ -53,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                        help="weight dtype of a dummy model")
     serve.add_argument("--served-model-name")
+    serve.add_argument("--model-alias", dest="model_aliases", action="append", metavar="NAME=SERVED",
+                       help="answer requests for NAME with the served model (repeatable); NAME may "
+                       "be a glob: 'claude-*=my-model' serves Claude Code, '*=my-model' any name")
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int)
     serve.add_argument("--max-concurrency", type=int)
@@ -135,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_doctor(args)
     try:
         settings = settings_from_args(args)
-    except ValueError as exc:
+    except ValueError as exc:  # pydantic's ValidationError: a setting that cannot be served
         print(f"mlx-headroom: {exc}", file=sys.stderr)
         return 2
     from server.auth import startup_problem

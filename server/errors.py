@@ -13,17 +13,22 @@
                               (with Retry-After)
 
 Engine errors are translated here, at the boundary, so the engine never knows HTTP.
+Every error answer goes through one `ErrorRenderer`, which picks the body's shape for the
+request: OpenAI's by default, Anthropic's on the Anthropic routes (server/anthropic/errors.py).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+from starlette.types import Scope
 
 from engine import (
     ContextLengthError,
@@ -117,6 +122,14 @@ class ServiceUnavailable(APIError):
     type = "service_unavailable"
 
 
+ErrorRenderer = Callable[[APIError, Scope], Response]
+"""Turns an error into the response for one request; the request decides the shape."""
+
+
+def openai_response(err: APIError, scope: Scope) -> Response:
+    return err.response()
+
+
 def from_engine_error(exc: Exception) -> APIError:
     if isinstance(exc, APIError):
         return exc
@@ -155,13 +168,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"invalid request{where}: {first.get('msg')}", param
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    def answer(request: Request, err: APIError) -> JSONResponse:
+def install_error_handlers(app: FastAPI, render: ErrorRenderer = openai_response) -> None:
+    def answer(request: Request, err: APIError) -> Response:
         request.state.error = err  # for the access log
-        return err.response()
+        return render(err, request.scope)
 
     @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+    async def api_error(request: Request, exc: APIError) -> Response:
         return answer(request, exc)
 
     @app.exception_handler(ProbeUnavailableError)
@@ -169,12 +182,12 @@ def install_error_handlers(app: FastAPI) -> None:
         return answer(request, from_engine_error(exc))
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
         message, param = _validation_message(exc)
         return answer(request, BadRequest(message, code="invalid_request", param=param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         cls = {404: NotFound, 401: Unauthorized, 413: PayloadTooLarge}.get(exc.status_code)
         if cls is None:
             err = APIError(str(exc.detail), code=f"http_{exc.status_code}")
@@ -185,5 +198,5 @@ def install_error_handlers(app: FastAPI) -> None:
         return answer(request, err)
 
     @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+    async def unexpected(request: Request, exc: Exception) -> Response:
         return answer(request, from_engine_error(exc))

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.errors import Forbidden
+from server.errors import ErrorRenderer, Forbidden, openai_response
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -136,9 +136,11 @@ def _header(scope: Scope, wanted: bytes) -> str | None:
 class HostGuardMiddleware:
     """Refuses foreign Hosts on every route and foreign Origins on mutating requests."""
 
-    def __init__(self, app: ASGIApp, *, policy: HostPolicy) -> None:
+    def __init__(self, app: ASGIApp, *, policy: HostPolicy,
+                 render: ErrorRenderer = openai_response) -> None:
         self.app = app
         self.policy = policy
+        self.render = render
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket"):
@@ -152,6 +154,6 @@ class HostGuardMiddleware:
                     error = origin_refused(origin)
             if error is not None:
                 scope.setdefault("state", {})["error"] = error
-                await error.response()(scope, receive, send)
+                await self.render(error, scope)(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import PayloadTooLarge
+from server.errors import ErrorRenderer, PayloadTooLarge, openai_response
 
 
 def _too_large(limit: int) -> PayloadTooLarge:
@@ -30,9 +30,11 @@ def _content_length(scope: Scope) -> int | None:
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int,
+                 render: ErrorRenderer = openai_response) -> None:
         self.app = app
         self.limit = max_body_bytes
+        self.render = render
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -78,6 +80,6 @@ class BodyLimitMiddleware:
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         error = _too_large(self.limit)
         scope.setdefault("state", {})["error"] = error
-        response = error.response()
+        response = self.render(error, scope)
         response.headers["Connection"] = "close"
         await response(scope, receive, send)

@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from memory import MemoryGuard, ProbeUnavailableError
+from memory import MemoryGuard
 from server.state import ServerState
 
 router = APIRouter()
@@ -125,7 +125,7 @@ def _memory_gauges(guard: MemoryGuard) -> Iterator[Metric]:
     """The probe's reading and the ceiling; only the probe's status while it is unavailable."""
     try:
         snapshot = guard.snapshot()
-    except ProbeUnavailableError:
+    except Exception:  # any probe failure: report it as unavailable, never a 500
         snapshot = None
     yield GaugeMetricFamily("mlx_headroom_memory_probe_available",
                             "1 while the memory probe answers (or its last reading stands in)",
@@ -134,8 +134,8 @@ def _memory_gauges(guard: MemoryGuard) -> Iterator[Metric]:
         return
     ceiling = guard.ceiling(snapshot)
     yield GaugeMetricFamily("mlx_headroom_memory_usage_bytes",
-                            "this process's memory use (footprint less the allocator cache)",
-                            value=snapshot.footprint_bytes - snapshot.allocator_cache_bytes)
+                            "this process's memory use as the device counts it",
+                            value=snapshot.footprint_bytes)
     yield GaugeMetricFamily("mlx_headroom_memory_footprint_bytes", "this process's footprint",
                             value=snapshot.footprint_bytes)
     yield GaugeMetricFamily("mlx_headroom_memory_ceiling_bytes", "the hard memory ceiling",

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine import TokenLogprob
+from server import anthropic
 from server.chat_plan import ChatPlan, plan_chat
 from server.errors import APIError, BadRequest, NotFound
 from server.generation import ChoiceResult, Generation, gather, prepare
@@ -35,7 +36,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _check_model(state: ServerState, name: str) -> None:
-    if name not in state.model_names:
+    if not state.serves(name):
         raise NotFound(
             f"The model '{name}' does not exist; this server serves '{state.model_name}'",
             code="model_not_found", param="model",
@@ -350,13 +351,18 @@ def _model_card(state: ServerState) -> dict[str, Any]:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [_model_card(get_state(request))]}
+    state = get_state(request)
+    if "anthropic-version" in request.headers:
+        return anthropic.model_list(state)
+    return {"object": "list", "data": [_model_card(state)]}
 
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, request: Request) -> dict[str, Any]:
     state = get_state(request)
     _check_model(state, model)
+    if "anthropic-version" in request.headers:
+        return anthropic.model_card(state)
     return _model_card(state)
 
 

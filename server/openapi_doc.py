@@ -43,6 +43,27 @@ ERROR_SCHEMA: dict[str, Any] = {
 }
 
 
+# Anthropic's routes answer in Anthropic's shape (server/anthropic/errors.py).
+ANTHROPIC_PREFIX = "/v1/messages"
+ANTHROPIC_ERROR_STATUSES: dict[str, str] = {
+    **{k: v for k, v in ERROR_STATUSES.items() if k != "503"},
+    "529": "Overloaded: the request waited for memory and timed out; retry (Retry-After)",
+}
+ANTHROPIC_ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+            "additionalProperties": True,
+        },
+    },
+}
+
+
 def install_openapi_errors(app: FastAPI) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
@@ -50,15 +71,21 @@ def install_openapi_errors(app: FastAPI) -> None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         components["ErrorResponse"] = ERROR_SCHEMA
+        components["AnthropicErrorResponse"] = ANTHROPIC_ERROR_SCHEMA
         for name in ("HTTPValidationError", "ValidationError"):
             components.pop(name, None)
         error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
-        for path in schema.get("paths", {}).values():
+        anthropic = {"application/json": {"schema": {
+            "$ref": "#/components/schemas/AnthropicErrorResponse"}}}
+        for route, path in schema.get("paths", {}).items():
+            ours = route.startswith(ANTHROPIC_PREFIX)
+            statuses = ANTHROPIC_ERROR_STATUSES if ours else ERROR_STATUSES
             for operation in path.values():
                 responses = operation.setdefault("responses", {})
                 responses.pop("422", None)
-                for status, description in ERROR_STATUSES.items():
-                    responses.setdefault(status, {"description": description, "content": error})
+                for status, description in statuses.items():
+                    responses.setdefault(status, {"description": description,
+                                                  "content": anthropic if ours else error})
         app.openapi_schema = schema
         return schema
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 GiB = 1 << 30
@@ -22,6 +22,11 @@ class Settings(BaseSettings):
         None, description="weight dtype of a dummy model (default: the config's, else bfloat16)"
     )
     served_model_name: str | None = None
+    model_aliases: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=dict,
+        description="requested model name -> served name; a name may be a glob ('claude-*', '*'). "
+        "From 'NAME=served' items (repeatable flag, comma-separated env) or a JSON object",
+    )
     host: str = "127.0.0.1"
     port: int = 8000
 
@@ -42,6 +47,9 @@ class Settings(BaseSettings):
     memory_wait_timeout_s: float = Field(30.0, ge=0)
     memory_probe_grace_s: float = Field(
         5.0, ge=0, description="how long the last good memory reading stands in for a failing probe"
+    )
+    memory_reading_max_age_s: float = Field(
+        2.0, gt=0, description="an older probe reading is read again, and never refuses a request"
     )
     prefix_cache_bytes: int = Field(2 * GiB, ge=0)
     prefix_cache_entries: int = Field(16, ge=0)
@@ -84,6 +92,35 @@ class Settings(BaseSettings):
                 return json.loads(text)
             return [o.strip() for o in text.split(",") if o.strip()]
         return value
+
+    @field_validator("model_aliases", mode="before")
+    @classmethod
+    def _parse_aliases(cls, value: object) -> object:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("{"):
+                return json.loads(text)
+            value = [item for item in text.split(",") if item.strip()]
+        if isinstance(value, list):
+            pairs: dict[str, str] = {}
+            for item in value:
+                name, sep, served = str(item).partition("=")
+                if not sep or not name.strip() or not served.strip():
+                    raise ValueError(f"a model alias is NAME=served, not {item!r}")
+                pairs[name.strip()] = served.strip()
+            return pairs
+        return value
+
+    @model_validator(mode="after")
+    def _aliases_name_the_served_model(self) -> Settings:
+        served = {self.public_model_name, self.model}
+        wrong = {name: to for name, to in self.model_aliases.items() if to not in served}
+        if wrong:
+            raise ValueError(
+                f"model aliases must point at the served model ({self.public_model_name!r}); "
+                f"these do not: {wrong}"
+            )
+        return self
 
     @property
     def public_model_name(self) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from typing import Any
 
 from fastapi import Request
@@ -36,6 +37,12 @@ class ServerState:
     @property
     def model_names(self) -> set[str]:
         return {self.model_name, self.settings.model}
+
+    def serves(self, name: str) -> bool:
+        """Whether a request naming this model is for us: its own names, or an alias."""
+        return name in self.model_names or any(
+            fnmatchcase(name, pattern) for pattern in self.settings.model_aliases
+        )
 
     @property
     def tokenizer(self) -> Any:

@@ -28,6 +28,7 @@ class ChoiceText:
         self.text = ""  # everything released so far
         self.completion_tokens = 0
         self.stopped = False
+        self.matched_stop: str | None = None  # which stop string ended the text, if one did
 
     def add(self, tokens: tuple[int, ...], logprobs: tuple[TokenLogprob, ...] = ()) -> TextDelta:
         if self.stopped:
@@ -47,8 +48,9 @@ class ChoiceText:
 
     def _release(self, logprobs: list[TokenLogprob], *, final: bool) -> TextDelta:
         if self._stops:
-            cut = min((i for i in (self._pending.find(s) for s in self._stops) if i >= 0), default=-1)
-            if cut >= 0:
+            found = [(i, s) for s in self._stops if (i := self._pending.find(s)) >= 0]
+            if found:
+                cut, self.matched_stop = min(found, key=lambda f: f[0])
                 out = self._pending[:cut]
                 self._pending = ""
                 self.text += out

@@ -6,6 +6,7 @@ from .cuda import CudaProbe
 from .detect import detect_probe
 from .linux import LinuxProbe
 from .macos import MacOSProbe
+from .nvml import NvmlReading, PynvmlReader, process_footprint
 from .resilient import ResilientProbe
 
 __all__ = [
@@ -13,7 +14,10 @@ __all__ = [
     "CudaProbe",
     "LinuxProbe",
     "MacOSProbe",
+    "NvmlReading",
     "Probe",
+    "PynvmlReader",
     "ResilientProbe",
     "detect_probe",
+    "process_footprint",
 ]

@@ -185,6 +185,7 @@ def snapshot_from_linux(
         wired_bytes=meminfo.get("Unevictable", meminfo.get("Mlocked", 0)),
         device_cap_bytes=cgroup_limit,
         taken_at=taken_at,
+        usage_source="rss",
     )
 
 

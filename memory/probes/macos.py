@@ -171,6 +171,7 @@ def snapshot_from_vm_stats(
         wired_bytes=vm.wire_count * page_size,
         device_cap_bytes=device_cap_bytes,
         taken_at=taken_at,
+        usage_source="phys_footprint",
     )
 
 

@@ -69,7 +69,7 @@ def _sse(event: dict[str, Any]) -> bytes:
 @router.post("/v1/responses", response_model=None)
 async def create_response(body: ResponsesRequest, request: Request) -> JSONResponse | StreamingResponse:
     state = get_state(request)
-    if body.model not in state.model_names:
+    if not state.serves(body.model):
         raise NotFound(f"The model '{body.model}' does not exist; this server serves '{state.model_name}'",
                        code="model_not_found", param="model")
     name = body.unsupported()

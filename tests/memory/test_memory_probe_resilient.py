@@ -41,9 +41,13 @@ def test_the_last_good_reading_stands_in_then_the_probe_is_unavailable() -> None
     assert g.snapshot() == GOOD and g.probe_status() == "stale"
     clock.now = 6.0
     with pytest.raises(ProbeUnavailableError) as info:
-        g.check(q)
+        probe.read()
     assert info.value.retry_after_s > 0 and "memory probe unavailable" in str(info.value)
     assert info.value.failing_for_s == 2.0
+    # The guard never admits blind and never refuses for good: the request waits, re-reading.
+    waiting = g.check(q)
+    assert (waiting.outcome, waiting.code) == (Outcome.WAIT, "memory_probe_failed")
+    assert "memory probe unavailable" in waiting.reason
     with pytest.raises(ProbeUnavailableError):
         g.ceiling()
     assert g.probe_status() == "unavailable"
@@ -55,8 +59,7 @@ def test_a_probe_that_never_answered_is_unavailable_at_once() -> None:
     flaky = FlakyProbe()
     flaky.error = KeyError("max_recommended_working_set_size")  # any exception, not just OSError
     g = MemoryGuard(ResilientProbe(flaky))
-    with pytest.raises(ProbeUnavailableError):
-        g.check(AdmissionQuery(predicted_bytes=1))
+    assert g.check(AdmissionQuery(predicted_bytes=1)).outcome is Outcome.WAIT
     g.configure(enabled=False)  # the user turned admission control off: nothing to protect
     d = g.check(AdmissionQuery(predicted_bytes=1))
-    assert d.outcome is Outcome.ADMIT and d.reason == "memory guard disabled"
+    assert d.outcome is Outcome.ADMIT and d.reason.startswith("memory guard disabled")

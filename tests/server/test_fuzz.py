@@ -2,12 +2,13 @@
 
 Bounded for CI: a few dozen cases per operation, and a server whose max_tokens cap is
 small so that no generated request can make the tiny model run for long. Every answer
-must be something other than a 500, and every error an OpenAI error object, whether it
-comes as a status or as an event in a stream.
+must be something other than a 500, and every error an OpenAI error object (Anthropic's
+on /v1/messages), whether it comes as a status or as an event in a stream.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -21,7 +22,7 @@ from tests.conftest import ServerProcess
 ERROR_KEYS = {"message", "type", "param", "code"}
 MODEL = "mlx-headroom/tiny-chat"
 MAX_EXAMPLES = 25  # per operation and generation mode
-DESIGNED_5XX = {503, 504, 507}  # engine unavailable, request deadline, the memory guard
+DESIGNED_5XX = {503, 504, 507, 529}  # engine unavailable, request deadline, the memory guard
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +45,31 @@ def assert_error_object(payload: object, where: str) -> None:
     assert isinstance(payload["error"]["type"], str), where
 
 
+def assert_anthropic_error(payload: object, where: str) -> None:
+    assert isinstance(payload, dict) and payload.get("type") == "error", where
+    assert isinstance(payload.get("error"), dict), where
+    assert isinstance(payload["error"].get("type"), str), where
+    assert isinstance(payload["error"].get("message"), str) and payload["error"]["message"], where
+
+
 def check(case, url: str) -> None:
     response = case.call(base_url=url, timeout=60)
     where = f"{case.method} {case.path} -> {response.status_code}: {response.text[:500]}"
     assert response.status_code != 500, where
     assert response.status_code < 500 or response.status_code in DESIGNED_5XX, where
+    if case.path.startswith("/v1/messages"):
+        if response.status_code >= 400:
+            assert_anthropic_error(response.json(), where)
+        elif "text/event-stream" in str(response.headers.get("content-type")):
+            lines = response.text.splitlines()
+            events = [(e[7:], json.loads(d[6:])) for e, d in itertools.pairwise(lines)
+                      if e.startswith("event: ") and d.startswith("data: ")]
+            assert events, where
+            for name, data in events:
+                assert data.get("type") == name, where
+                if name == "error":
+                    assert_anthropic_error(data, where)
+        return
     if response.status_code >= 400:
         assert_error_object(response.json(), where)
     elif "text/event-stream" in str(response.headers.get("content-type")):
@@ -66,7 +87,7 @@ def test_no_server_errors_and_openai_error_objects(fuzz_server, mode):
     schema = schemathesis.openapi.from_url(fuzz_server.url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.label for op in operations} >= {"POST /v1/chat/completions", "POST /v1/completions",
-                                              "PUT /v1/memory-guard"}
+                                              "PUT /v1/memory-guard", "POST /v1/messages"}
     for operation in operations:
         @given(case=operation.as_strategy(mode))
         @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,

@@ -25,6 +25,7 @@ from tests.fake_darwin import KERN_FAILURE, FakeDarwin
 MODEL = "mlx-headroom/tiny-chat"
 MESSAGES = [{"role": "user", "content": "hello there"}]
 GRACE_S = 1.0
+WAIT_S = 2.0  # how long new work waits for a reading before the 503
 
 
 def _rss() -> int:
@@ -38,7 +39,7 @@ def macos_server(tiny_model_path: Path) -> Iterator[Callable[[FakeDarwin], tuple
     def start(fake: FakeDarwin) -> tuple[str, MacOSProbe]:
         probe = MacOSProbe(libc=fake, recommended_working_set=lambda: None, vm_interval_s=0.0)
         settings = Settings(model=str(tiny_model_path), served_model_name=MODEL,
-                            memory_probe_grace_s=GRACE_S)
+                            memory_probe_grace_s=GRACE_S, memory_wait_timeout_s=WAIT_S)
         port = free_port()
         app = create_app(settings, probe=probe)
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -113,12 +114,13 @@ def test_no_reading_at_all_is_503_with_retry_after_and_the_server_recovers(macos
                 if line.startswith("data: {"):
                     if not chunks:
                         # The probe dies mid-stream (every syscall fails): decoding needs no
-                        # admission and goes on; new work waits for the grace, then gets 503.
+                        # admission and goes on; the last reading stands in for the grace, then new
+                        # work waits for a reading, then gets 503.
                         fake.fail_rc, fake.fail_rusage, fake.sysctl_vm_counts = KERN_FAILURE, True, False
                         started = time.monotonic()
                         refused = chat(url)
                         while refused.status_code == 200:
-                            assert time.monotonic() - started < GRACE_S + 10
+                            assert time.monotonic() - started < GRACE_S + WAIT_S + 10
                             refused = chat(url)
                     chunks.append(json.loads(line[6:]))
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
