@@ -3,15 +3,16 @@
 One computation serves load admission (``serve`` refuses a model that does not fit) and
 ``mlx-headroom doctor`` (what fits on this machine), so the two can never disagree.
 
-The numbers follow the engine's admission arithmetic (``engine/admission.py``; keep the
-two in step: ``tests/server/test_load_admission.py`` checks that a real server admits
-exactly the longest prompt computed here, and refuses one token more) for one request at a
-time, with an empty prefix cache:
+The numbers follow the engine's admission arithmetic (``engine/admission.py`` over the
+KV store, ``engine/kv/store.py``; keep them in step: ``tests/server/test_load_admission.py``
+checks that a real server admits exactly the longest prompt computed here, and refuses one
+token more) for one request at a time, on an idle server with an empty prefix cache:
 
-- a request of P prompt tokens and M output tokens *reserves* the KV of P + M tokens
-  (256-token steps) plus one layer's copy for the growth step;
+- a request of P prompt tokens and M output tokens *reserves* P + M tokens of KV in whole
+  blocks, allocated when it is admitted: in a new segment of the default size if that
+  fits with its first full-size chunk, else in a segment sized exactly to it;
 - every prefill chunk is predicted by :func:`~memory.estimate.estimate_prefill` times the
-  tracker's margin, and the last chunk adds the join's copy of the prompt's KV;
+  tracker's margin (joining the batch copies nothing);
 - each engine step runs at most ``chunk_tokens`` prompt tokens, in one chunk or several;
 - a chunk that does not fit is halved down to the floor before the request is refused,
   and a request whose full-size first chunk does not fit is still admitted when a
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from ._units import MiB
 from ._units import format_bytes as fb
 from .ceiling import Ceiling
-from .estimate import KV_STEP, ModelGeometry, estimate_prefill, kv_cache_bytes
+from .estimate import KV_STEP, ModelGeometry, estimate_prefill
 from .tracker import DEFAULT_MARGIN
 from .weights import Quantization, WeightInventory
 
@@ -63,21 +64,43 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class EngineParams:
-    """The engine settings that shape admission (mirrors ``EngineConfig``)."""
+    """The engine settings that shape admission (mirrors ``EngineConfig`` and the KV
+    store's sizes, which the server reads from the engine)."""
 
     chunk_tokens: int = 512
     min_chunk_tokens: int = 32
     backend: str = "cpu"
     margin: float = DEFAULT_MARGIN
+    kv_block_tokens: int = 16
+    kv_segment_tokens: int = 2048  # a new segment's default size, in tokens
 
 
-def reservation_bytes(geometry: ModelGeometry, final_lens: Sequence[int]) -> int:
-    """KV a decode batch reaches when every row runs to its final length: rows × the
-    longest (the batch is left-padded), plus one layer's copy for the growth step."""
-    if not final_lens:
-        return 0
-    full = kv_cache_bytes(geometry, max(final_lens), batch=len(final_lens))
-    return full + full // max(geometry.num_layers, 1)
+def reservation_bytes(
+    geometry: ModelGeometry, final_lens: Sequence[int], params: EngineParams = EngineParams()
+) -> int:
+    """KV the store reserves for requests of these final lengths: each its own, in whole
+    blocks (no padding to the longest)."""
+    block = params.kv_block_tokens
+    return sum(-(-max(n, 1) // block) * block for n in final_lens) * geometry.kv_bytes_per_token
+
+
+def segment_bytes(
+    geometry: ModelGeometry, final_len: int, params: EngineParams, *, exact: bool
+) -> int:
+    """A new segment for one request: its blocks exactly, or the default size if larger."""
+    block = params.kv_block_tokens
+    need = -(-max(final_len, 1) // block)
+    blocks = need if exact else max(need, max(1, params.kv_segment_tokens // block))
+    return blocks * block * geometry.kv_bytes_per_token
+
+
+def store_bytes(geometry: ModelGeometry, final_len: int, n: int, params: EngineParams) -> int:
+    """Segments holding ``n`` requests of ``final_len`` tokens: full default segments, and
+    the requests left over in segments sized to them."""
+    one = reservation_bytes(geometry, [final_len], params)
+    default = segment_bytes(geometry, final_len, params, exact=False)
+    full, rest = divmod(n, default // one)  # a default segment is never smaller than one
+    return full * default + min(default, rest * one)
 
 
 def chunk_bytes(geometry: ModelGeometry, tokens: int, context: int, params: EngineParams) -> int:
@@ -90,40 +113,14 @@ def chunk_bytes(geometry: ModelGeometry, tokens: int, context: int, params: Engi
     return math.ceil(float(static) * params.margin)
 
 
-def largest_chunk_bytes(
-    geometry: ModelGeometry, prompt_tokens: int, params: EngineParams, batch_kv_bytes: int = 0
-) -> int:
-    """The largest full-size chunk of a prompt's prefill; the last one includes the join
-    (the prompt's KV copied into the batch, and two layers of the batch's)."""
+def largest_chunk_bytes(geometry: ModelGeometry, prompt_tokens: int, params: EngineParams) -> int:
+    """The largest full-size chunk of a prompt's prefill."""
     remaining = max(prompt_tokens - 1, 0)
-    if remaining == 0:
-        return chunk_bytes(geometry, 1, 0, params) + join_bytes(geometry, prompt_tokens, batch_kv_bytes)
-    worst, done = 0, 0
-    while done < remaining:
+    worst = chunk_bytes(geometry, min(params.chunk_tokens, max(remaining, 1)), 0, params)
+    for done in range(0, remaining, params.chunk_tokens):
         tokens = min(params.chunk_tokens, remaining - done)
-        predicted = chunk_bytes(geometry, tokens, done, params)
-        if done + tokens >= remaining:
-            predicted += join_bytes(geometry, prompt_tokens, batch_kv_bytes)
-        worst = max(worst, predicted)
-        done += tokens
+        worst = max(worst, chunk_bytes(geometry, tokens, done, params))
     return worst
-
-
-def join_bytes(geometry: ModelGeometry, prompt_tokens: int, batch_kv_bytes: int) -> int:
-    """The join's transient: the prompt's KV is copied into the batch (merge, then extend
-    one layer at a time), so it exists twice and one layer of the batch three times."""
-    return kv_cache_bytes(geometry, prompt_tokens) + 2 * batch_kv_bytes // max(geometry.num_layers, 1)
-
-
-def _grown_slots(slots: int, offset: int, new: int) -> int:
-    """KV slots a ``KVCache`` holds after adding ``new`` tokens at ``offset`` (it grows by
-    concatenating whole 256-token steps, after trimming a partly used last step)."""
-    if slots and offset + new <= slots:
-        return slots
-    steps = -(-new // KV_STEP) * KV_STEP
-    if slots and offset % KV_STEP:
-        slots = offset
-    return slots + steps
 
 
 @dataclass(frozen=True)
@@ -132,6 +129,7 @@ class RequestWalk:
 
     admitted: bool
     reserved_bytes: int  # the KV reservation of prompt + max_tokens
+    kv_bytes: int  # what the store holds for it: its segment, at least the reservation
     peak_bytes: int  # the largest need of any step; when refused, the refused step's need
     peak_chunk_tokens: int  # the chunk at that step
 
@@ -148,47 +146,44 @@ def walk_single_request(
     """Would the engine, idle with ``usage_bytes`` in use, run this request to the end of
     its prefill? Walks its admission step by step (see the module docstring)."""
     g, hard = geometry, ceiling_bytes
+    final = prompt_tokens + max_tokens
     remaining = max(prompt_tokens - 1, 0)
-    reserved = reservation_bytes(g, [prompt_tokens + max_tokens])
-    per_token = g.kv_bytes_per_token
-    join = kv_cache_bytes(g, prompt_tokens)
-    peak, peak_tokens = 0, 0
+    reserved = reservation_bytes(g, [final], params)
+    full = chunk_bytes(g, max(min(params.chunk_tokens, remaining), 1), 0, params)
+    floor_tokens = max(min(params.min_chunk_tokens, remaining), 1)
+    floor = chunk_bytes(g, floor_tokens, 0, params)
 
-    def refused(need: int, tokens: int) -> RequestWalk:
-        return RequestWalk(False, reserved, need, tokens)
-
+    # Preflight: a default-size segment with a full chunk, else an exact one, else an exact
+    # one with a floor-sized chunk (the request's chunks will shrink).
+    default = segment_bytes(g, final, params, exact=False)
+    exact = segment_bytes(g, final, params, exact=True)
     first = max(min(params.chunk_tokens, remaining), 1)
-    need = usage_bytes + reserved + chunk_bytes(g, first, 0, params) + (join if first >= remaining else 0)
-    if need > hard:
-        floor = max(min(params.min_chunk_tokens, remaining), 1)
-        need = usage_bytes + reserved + chunk_bytes(g, floor, 0, params)
-        if need > hard:
-            return refused(need, floor)
+    tries = ((default, full, first), (exact, full, first), (exact, floor, floor_tokens))
+    for segment, chunk, first in tries:  # noqa: B007 (the one that fits is used below)
+        need = usage_bytes + segment + chunk
+        if need <= hard:
+            break
+    else:
+        return RequestWalk(False, reserved, exact, need, first)
 
-    processed = slots = 0
-    budget = params.chunk_tokens  # prompt tokens per engine step, shared by its chunks
+    kv = max(segment, reserved)  # committed = what the reservation has beyond its segment
+    held = usage_bytes + kv
+    peak, peak_tokens = need, first
+    processed, budget = 0, params.chunk_tokens  # prompt tokens per engine step
     while processed < remaining:
-        allocated = slots * per_token
-        held = usage_bytes + allocated + max(reserved - allocated, 0)
         tokens = min(params.chunk_tokens, remaining - processed, budget)
         while True:
-            predicted = chunk_bytes(g, tokens, processed, params)
-            if tokens >= remaining - processed:
-                predicted += join
-            need = held + predicted
+            need = held + chunk_bytes(g, tokens, processed, params)
             if need <= hard:
                 break
             if tokens <= params.min_chunk_tokens:
-                return refused(need, tokens)
+                return RequestWalk(False, reserved, kv, need, tokens)
             tokens = max(tokens // 2, params.min_chunk_tokens)
         if need > peak:
             peak, peak_tokens = need, tokens
-        slots = _grown_slots(slots, processed, tokens)
         processed += tokens
         budget = budget - tokens if budget > tokens else params.chunk_tokens
-    if remaining == 0:
-        peak, peak_tokens = need, 1
-    return RequestWalk(True, reserved, peak, peak_tokens)
+    return RequestWalk(True, reserved, kv, peak, peak_tokens)
 
 
 def _largest(fits: Callable[[int], bool], low: int, high: int) -> int:
@@ -211,7 +206,7 @@ class LoadRequirement:
     weight_bytes: int
     reserve_tokens: int  # after capping at the model's context
     reserve_kv_bytes: int
-    margin_bytes: int  # that prompt's largest prefill chunk (the last, with the join)
+    margin_bytes: int  # that prompt's largest prefill chunk
 
     @property
     def total_bytes(self) -> int:
@@ -241,12 +236,12 @@ def load_requirement(
         spec.geometry, prompt_tokens=reserve, max_tokens=0,
         usage_bytes=baseline_bytes + spec.weight_bytes, ceiling_bytes=ceiling_bytes, params=params,
     )
-    margin = walk.peak_bytes - baseline_bytes - spec.weight_bytes - walk.reserved_bytes
+    margin = walk.peak_bytes - baseline_bytes - spec.weight_bytes - walk.kv_bytes
     return LoadRequirement(
         baseline_bytes=baseline_bytes,
         weight_bytes=spec.weight_bytes,
         reserve_tokens=reserve,
-        reserve_kv_bytes=walk.reserved_bytes,
+        reserve_kv_bytes=walk.kv_bytes,
         margin_bytes=margin,
     )
 
@@ -419,16 +414,16 @@ def _concurrency(
     spec: ModelSpec, prompt: int, max_tokens: int, usage: int, hard: int, params: EngineParams
 ) -> ConcurrencyFit:
     """How many requests of ``prompt`` + ``max_tokens`` tokens can be in flight together:
-    their reservations, plus room for the last one's largest chunk and its join."""
+    the segments holding their reservations, plus room for one full-size chunk of the last
+    one's prefill (an estimate: the store packs requests into segments as they come)."""
     g = spec.geometry
     final = prompt + max_tokens
     if final > spec.context_length:
         return ConcurrencyFit(prompt, max_tokens, 0, True)
+    chunk = largest_chunk_bytes(g, prompt, params)
 
     def fits(n: int) -> bool:
-        batch_kv = kv_cache_bytes(g, final, batch=n - 1)
-        chunk = largest_chunk_bytes(g, prompt, params, batch_kv_bytes=batch_kv)
-        return usage + reservation_bytes(g, [final] * n) + chunk <= hard
+        return usage + store_bytes(g, final, n, params) + chunk <= hard
 
     if not fits(1):
         return ConcurrencyFit(prompt, max_tokens, 0, False)

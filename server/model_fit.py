@@ -43,11 +43,23 @@ class LoadAdmission:
         return self.report.fits
 
 
-def engine_params(settings: Settings, backend: str) -> EngineParams:
+def engine_params(settings: Settings, backend: str, kv_bytes_per_token: int) -> EngineParams:
+    """The engine's admission settings, and the KV store's block and default segment sizes
+    as the engine picks them for this model and backend."""
+    from engine.core import CPU_SEGMENT_TOKENS, EngineConfig
+    from engine.kv.store import DEFAULT_SEGMENT_BYTES, MAX_SEGMENT_TOKENS
+
+    config = EngineConfig()
+    segment = config.kv_segment_tokens
+    if segment is None:
+        segment = (CPU_SEGMENT_TOKENS if backend == "cpu"
+                   else min(MAX_SEGMENT_TOKENS, DEFAULT_SEGMENT_BYTES // kv_bytes_per_token))
     return EngineParams(
         chunk_tokens=settings.prefill_step_size,
         min_chunk_tokens=settings.min_prefill_chunk,
         backend=backend,
+        kv_block_tokens=config.kv_block_size,
+        kv_segment_tokens=segment,
     )
 
 
@@ -84,7 +96,7 @@ def fit_for_settings(
         baseline_bytes=usage_bytes(snapshot),
         reserve_tokens=settings.reserve_context_tokens,
         max_tokens=max_tokens or settings.default_max_tokens,
-        params=engine_params(settings, backend_name()),
+        params=engine_params(settings, backend_name(), spec.geometry.kv_bytes_per_token),
         macos=snapshot.platform == "macos",
     )
 

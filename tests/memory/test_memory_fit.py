@@ -10,13 +10,14 @@ from typing import Any
 import pytest
 from memtest_helpers import GiB, MiB
 
-from memory import Ceiling, ModelGeometry, Tier, geometry_from_config, kv_cache_bytes
+from memory import Ceiling, ModelGeometry, Tier, geometry_from_config
 from memory.fit import (
     EngineParams,
     ModelSpec,
     compute_fit,
     largest_chunk_bytes,
     reservation_bytes,
+    store_bytes,
     walk_single_request,
     wired_limit_advice,
 )
@@ -151,8 +152,8 @@ def test_quantization_from_config(config: dict[str, Any], expected: Quantization
     (None, 14 * GiB, 1, "metal", False),  # the weights alone are over
     (Quantization(4), 8 * GiB, 8192, "metal", True),  # the quantized model does fit
     (Quantization(4), 5 * GiB, 8192, "metal", False),
-    (Quantization(8), 12 * GiB, 8192, "cuda", True),
-    (Quantization(8), 10 * GiB, 8192, "cuda", False),  # 7.9 + 1.25 KV + the join's copy
+    (Quantization(8), 10 * GiB, 8192, "cuda", True),
+    (Quantization(8), 9 * GiB, 8192, "cuda", False),  # 7.9 + 0.3 in use + 1 of KV + a chunk
 ])
 def test_load_fits_exactly_when_the_reserve_prompt_would_be_admitted(
     q: Quantization | None, hard: int, reserve: int, backend: str, fits: bool
@@ -206,17 +207,17 @@ def test_more_memory_never_fits_less() -> None:
 
 def test_refusal_names_the_numbers_the_binding_ceiling_and_what_would_fit() -> None:
     spec, params = llama_spec(), EngineParams(backend="metal")
-    r = compute_fit(spec, custom(16 * GiB), baseline_bytes=0, reserve_tokens=32768,
+    r = compute_fit(spec, custom(16 * GiB), baseline_bytes=0, reserve_tokens=65536,
                     max_tokens=512, params=params)
     assert not r.fits and r.fits_at_all
     message = r.message()
     assert "does not fit" in message and "custom ceiling 16.0 GiB" in message
-    assert "weights 15.0 GiB" in message and "KV for 32768 reserved tokens" in message
+    assert "weights 15.0 GiB" in message and "KV for 65536 reserved tokens" in message
     assert f"--reserve-context-tokens {r.max_reserve_tokens}" in message
-    # 8-bit weights (7.9 GiB) would still be over with 32k of KV and its join; 4-bit fits
+    # 8-bit weights (7.9 GiB) would still be over with 64k tokens (8 GiB) of KV; 4-bit fits
     assert [(q.quantization.bits, q.fits) for q in r.quantized] == [(8, False), (4, True)]
     assert "4-bit (group 64) weights (4.2 GiB)" in message and "--force-load" in message
-    assert 0 < r.max_reserve_tokens < 32768 and r.max_reserve_tokens % 256 == 0
+    assert 0 < r.max_reserve_tokens < 65536 and r.max_reserve_tokens % 256 == 0
     shorter = compute_fit(spec, custom(16 * GiB), baseline_bytes=0,
                           reserve_tokens=r.max_reserve_tokens, max_tokens=512, params=params)
     assert shorter.fits  # the suggested reserve does load
@@ -235,19 +236,23 @@ def test_a_model_larger_than_the_ceiling_fits_nothing() -> None:
 def test_concurrency_counts_reservations_and_flags_prompts_beyond_the_context() -> None:
     config = {**LLAMA3_8B, "max_position_embeddings": 8192}
     spec = llama_spec(config=config)
+    params = EngineParams(backend="metal", kv_segment_tokens=16384)  # 2 GiB segments
     r = compute_fit(spec, custom(40 * GiB), baseline_bytes=0, reserve_tokens=8192,
-                    max_tokens=512, params=EngineParams(backend="metal"))
+                    max_tokens=512, params=params)
     by_prompt = {c.prompt_tokens: c for c in r.concurrency}
     assert by_prompt[8192].beyond_context and by_prompt[32768].beyond_context
     n = by_prompt[1024].requests
     assert n > 1
-    g, params, room = spec.geometry, EngineParams(backend="metal"), 40 * GiB - spec.weight_bytes
+    room = 40 * GiB - spec.weight_bytes
+    chunk = largest_chunk_bytes(spec.geometry, 1024, params)
 
-    def need(rows: int) -> int:  # their KV reservations + the last one's largest chunk and join
-        batch = kv_cache_bytes(g, 1536, batch=rows - 1)
-        return reservation_bytes(g, [1536] * rows) + largest_chunk_bytes(g, 1024, params, batch)
+    def need(rows: int) -> int:  # the segments holding them + one full-size chunk
+        return store_bytes(spec.geometry, 1536, rows, params) + chunk
 
     assert need(n) <= room < need(n + 1)
+    # 1536 tokens of 128 KiB = 192 MiB each, 10 to a 2 GiB segment: 12 segments (120) and
+    # a few more in the last 1 GiB beside a prefill chunk
+    assert 120 < n <= 125
 
 
 @pytest.mark.parametrize("components, binding, needed, macos, expected", [
@@ -277,12 +282,24 @@ def test_a_binding_wired_limit_is_suggested_when_raising_it_makes_the_model_fit(
     assert "device ceiling 16.0 GiB" in r.message()
 
 
-def test_geometry_kv_per_token_is_the_one_admission_uses() -> None:
+@pytest.mark.parametrize("finals, blocks", [
+    ([], 0), ([1], 1), ([16], 1), ([17], 2), ([300], 19), ([300, 100], 19 + 7),
+])
+def test_each_request_reserves_its_own_whole_blocks(finals: list[int], blocks: int) -> None:
     g = ModelGeometry(4, 4, 2, 32, 128, 256, 259, dtype_bytes=4)
-    assert reservation_bytes(g, []) == 0
-    # 300 tokens hold 512 slots; one layer's copy on top
-    assert reservation_bytes(g, [300]) == 512 * g.kv_bytes_per_token * 5 // 4
-    assert reservation_bytes(g, [300, 100]) == 2 * 512 * g.kv_bytes_per_token * 5 // 4
+    assert reservation_bytes(g, finals) == blocks * 16 * g.kv_bytes_per_token
+
+
+@pytest.mark.parametrize("n, segments_tokens", [
+    (1, 304), (3, 912), (6, 2048), (7, 2048 + 304), (12, 2 * 2048), (13, 2 * 2048 + 304),
+])
+def test_store_bytes_packs_requests_into_default_segments(n: int, segments_tokens: int) -> None:
+    # 300-token requests reserve 304 tokens; a 2048-token segment holds 6 of them. The
+    # requests left over cost a default segment or their own, whichever is smaller: the
+    # engine takes a default one only when it fits.
+    g = ModelGeometry(4, 4, 2, 32, 128, 256, 259, dtype_bytes=4)
+    params = EngineParams(kv_segment_tokens=2048)
+    assert store_bytes(g, 300, n, params) == segments_tokens * g.kv_bytes_per_token
 
 
 def test_no_sysctl_when_raising_the_wired_limit_would_not_be_enough() -> None:

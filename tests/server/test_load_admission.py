@@ -1,7 +1,7 @@
 """Load admission and `mlx-headroom doctor`, through real processes.
 
 The machine is simulated with the allocator probe and a custom ceiling: the probe counts
-MLX's own allocations, so a 30 MB ceiling is a 30 MB machine for the tiny models.
+MLX's own allocations, so a 25 MB ceiling is a 25 MB machine for the tiny models.
 """
 
 from __future__ import annotations
@@ -37,20 +37,20 @@ def doctor(*args: str) -> tuple[int, dict[str, Any]]:
 
 
 def test_a_model_whose_reserve_exceeds_the_ceiling_is_refused_at_start_up(tmp_path: Path) -> None:
-    out = cli("serve", "--model", "tiny", *TINY_DUMMY, *simulated(30_000_000),
+    out = cli("serve", "--model", "tiny", *TINY_DUMMY, *simulated(25_000_000),
               "--port", str(free_port()))
     assert out.returncode == 4, out.stderr
     err = out.stderr
     assert "not loading tiny: tiny does not fit" in err
     # the numbers: weights, the reserve's KV, the chunk, the total, and the binding ceiling
-    assert "weights 2.5 MiB + KV for 8192 reserved tokens 20.0 MiB + one prefill chunk" in err
-    assert "the custom ceiling 28.6 MiB" in err
+    assert "weights 2.5 MiB + KV for 8192 reserved tokens 16.0 MiB + one prefill chunk" in err
+    assert "the custom ceiling 23.8 MiB" in err
     assert "--force-load loads it anyway" in err
     assert "building dummy model" not in out.stdout + err  # refused before any weights
     # what would fit does fit: the suggested reserve starts
     reserve = re.search(r"--reserve-context-tokens (\d+)", err)
     assert reserve is not None, err
-    proc = ServerProcess(Path("tiny"), args=[*TINY_DUMMY, *simulated(30_000_000),
+    proc = ServerProcess(Path("tiny"), args=[*TINY_DUMMY, *simulated(25_000_000),
                                              "--reserve-context-tokens", reserve.group(1)])
     try:
         proc.start(tmp_path)
@@ -62,7 +62,7 @@ def test_a_model_whose_reserve_exceeds_the_ceiling_is_refused_at_start_up(tmp_pa
 
 
 def test_force_load_starts_and_says_the_reserve_is_not_met(tmp_path: Path) -> None:
-    proc = ServerProcess(Path("tiny"), args=[*TINY_DUMMY, *simulated(30_000_000), "--force-load"])
+    proc = ServerProcess(Path("tiny"), args=[*TINY_DUMMY, *simulated(25_000_000), "--force-load"])
     try:
         proc.start(tmp_path)
         log = proc.log()
@@ -73,7 +73,7 @@ def test_force_load_starts_and_says_the_reserve_is_not_met(tmp_path: Path) -> No
         assert model["weight_bytes"] == 2_629_120  # the tiny preset in float32
         assert model["reserve_context_tokens"] == 8192
         check = model["load_check"]
-        assert check["required_bytes"] > memory["ceiling"]["hard_bytes"] == 30_000_000
+        assert check["required_bytes"] > memory["ceiling"]["hard_bytes"] == 25_000_000
         assert check["weight_bytes"] == model["weight_bytes"]  # predicted = loaded
         assert "does not fit" in check["message"]
         r = httpx.post(proc.url + "/v1/completions",
