@@ -21,7 +21,7 @@ from .estimate import (
     geometry_from_model,
     kv_cache_bytes,
 )
-from .fit import EngineParams, FitReport, LoadRequirement, ModelSpec, compute_fit
+from .fit import FitReport, LoadRequirement, ModelSpec, compute_fit
 from .guard import GuardState, HandBackPolicy, MemoryGuard
 from .probes import (
     AllocatorProbe,
@@ -36,6 +36,7 @@ from .probes import (
 )
 from .snapshot import MemorySnapshot
 from .tracker import TransientTracker
+from .walk import EngineParams
 from .weights import Quantization, TensorInfo, WeightInventory, inventory_from_tensors
 
 __all__ = [

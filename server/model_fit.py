@@ -13,7 +13,8 @@ from typing import Any
 
 from memory import Ceiling, CeilingConfig, MemorySnapshot, Probe, Tier, compute_ceiling, detect_probe
 from memory.decision import usage_bytes
-from memory.fit import EngineParams, FitReport, ModelSpec, compute_fit
+from memory.fit import FitReport, ModelSpec, compute_fit
+from memory.walk import EngineParams
 from server.settings import Settings
 
 log = logging.getLogger("mlx_headroom.server")

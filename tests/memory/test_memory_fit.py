@@ -1,4 +1,4 @@
-"""memory.weights and memory.fit: weight bytes from headers, and what fits under a ceiling."""
+"""memory.weights, memory.walk and memory.fit: weight bytes from headers, and what fits under a ceiling."""
 
 from __future__ import annotations
 
@@ -11,15 +11,13 @@ import pytest
 from memtest_helpers import GiB, MiB
 
 from memory import Ceiling, ModelGeometry, Tier, geometry_from_config
-from memory.fit import (
+from memory.fit import ModelSpec, compute_fit, wired_limit_advice
+from memory.walk import (
     EngineParams,
-    ModelSpec,
-    compute_fit,
     largest_chunk_bytes,
     reservation_bytes,
     store_bytes,
     walk_single_request,
-    wired_limit_advice,
 )
 from memory.weights import (
     Quantization,
