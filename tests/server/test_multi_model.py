@@ -1,0 +1,197 @@
+"""Several models in one memory budget (issue 15, part 2), through real server processes.
+
+Three tiny models (different seeds) and a custom ceiling sized from the server's own load
+check so that it holds two of them: weights + reserve + one prefill chunk for a load, on
+top of what is already loaded. The allocator probe counts MLX's bytes only, so the
+figures are the models' own and the test is exact on any machine.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import MODEL, ServerProcess, wait_until
+
+NO_EOS = {"256": -100, "257": -100, "258": -100}  # the tiny model's special tokens
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine.tiny_model import TinyModelShape, build_tiny_model
+
+    root = tmp_path_factory.mktemp("multi")
+    for seed, name in enumerate(("alpha", "beta", "gamma"), start=1):
+        build_tiny_model(root / name, TinyModelShape(seed=seed))
+    return root
+
+
+def start(models_dir: Path, tmp_path: Path, *extra: str) -> ServerProcess:
+    """alpha is the first --model (served as MODEL); beta and gamma load on demand."""
+    return ServerProcess(models_dir / "alpha", env={"MLX_HEADROOM_PREFIX_CACHE_BYTES": "0"}, args=[
+        "--allowed-models", str(models_dir), "--memory-probe", "allocator",
+        "--reserve-context-tokens", "256", *extra,
+    ]).start(tmp_path)
+
+
+def memory(proc: ServerProcess) -> dict[str, Any]:
+    r = httpx.get(proc.url + "/v1/memory", timeout=10)
+    assert r.status_code == 200, r.text
+    body: dict[str, Any] = r.json()
+    return body
+
+
+def pool(proc: ServerProcess) -> dict[str, dict[str, Any]]:
+    return {m["id"]: m for m in memory(proc)["models"]["models"]}
+
+
+def loaded(proc: ServerProcess) -> set[str]:
+    r = httpx.get(proc.url + "/v1/models", timeout=10)
+    return {m["id"] for m in r.json()["data"] if m["state"] == "loaded"}
+
+
+def complete(proc: ServerProcess, model: str, max_tokens: int = 4, **body: Any) -> httpx.Response:
+    return httpx.post(proc.url + "/v1/completions", timeout=120, json={
+        "model": model, "prompt": "hello", "max_tokens": max_tokens, "temperature": 0, **body,
+    })
+
+
+def hold_two(proc: ServerProcess, extra_bytes: int = 0) -> int:
+    """Set a ceiling that holds two loaded models (plus `extra_bytes`), not three.
+
+    A load needs weights + the reserve's KV + one prefill chunk, and part 1 lets the KV
+    segment be sized exactly and the chunk shrink to fit. On the tiny model (2.6 MB of
+    weights) a 256-token reserve and the smallest chunk take 1.7 MB: three models need
+    9.6 MB and more, while a second one needs 8.0 MB under a ceiling of 8.2 (more room,
+    larger chunks). So: three models' weights and a quarter."""
+    weights = pool(proc)[MODEL]["weight_bytes"]
+    ceiling = 3 * weights + weights // 4 + extra_bytes
+    r = httpx.put(proc.url + "/v1/memory-guard", json={"tier": "custom", "ceiling_bytes": ceiling})
+    assert r.status_code == 200, r.text
+    return ceiling
+
+
+def last_unload(proc: ServerProcess) -> dict[str, Any]:
+    unloads: list[dict[str, Any]] = memory(proc)["models"]["unloads"]
+    return unloads[-1]
+
+
+def test_alternating_models_unload_lru_and_footprint_falls(models_dir: Path, tmp_path: Path) -> None:
+    proc = start(models_dir, tmp_path)
+    try:
+        hold_two(proc)
+        names = httpx.get(proc.url + "/v1/models").json()["data"]
+        assert {m["id"]: m["state"] for m in names} == {
+            MODEL: "loaded", "beta": "unloaded", "gamma": "unloaded"}
+        assert complete(proc, "beta").status_code == 200  # room for two: nothing unloaded
+        assert loaded(proc) == {MODEL, "beta"}
+        assert memory(proc)["models"]["unloads"] == []
+        # Each new model unloads the least recently used idle one.
+        expected = [("gamma", MODEL), (MODEL, "beta"), ("beta", "gamma"), ("gamma", MODEL)]
+        for n, (model, victim) in enumerate(expected, start=1):
+            r = complete(proc, model)
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == model
+            unloads = memory(proc)["models"]["unloads"]
+            assert len(unloads) == n
+            gone = unloads[-1]
+            assert gone["model"] == victim and gone["reason"] == "lru"
+            # The device's count falls by about the weights once the engine let go.
+            assert gone["freed_bytes"] >= 0.9 * gone["weight_bytes"] > 0, gone
+            assert victim not in loaded(proc) and model in loaded(proc)
+            assert len(loaded(proc)) == 2
+        # Requests to loaded models still work, with no further unloads.
+        for model in sorted(loaded(proc)):
+            assert complete(proc, model).status_code == 200
+        assert len(memory(proc)["models"]["unloads"]) == len(expected)
+        # A name outside the allowed models: 404.
+        r = complete(proc, "delta")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    finally:
+        proc.stop()
+
+
+def test_pinned_and_busy_models_stay_and_507_when_nothing_can_go(
+        models_dir: Path, tmp_path: Path) -> None:
+    proc = start(models_dir, tmp_path, "--pin", MODEL)
+    try:
+        hold_two(proc)
+        assert complete(proc, "beta").status_code == 200
+        # MODEL is least recently used, but pinned: beta goes for gamma.
+        assert complete(proc, "gamma").status_code == 200
+        assert last_unload(proc)["model"] == "beta"
+        assert loaded(proc) == {MODEL, "gamma"}
+        assert pool(proc)[MODEL]["pinned"] is True
+
+        # gamma serves a long request; beta then finds MODEL pinned and gamma busy: 507,
+        # with the numbers, and nothing is unloaded.
+        result: dict[str, httpx.Response] = {}
+        long = threading.Thread(target=lambda: result.setdefault(
+            "r", complete(proc, "gamma", max_tokens=3000, logit_bias=NO_EOS)))
+        long.start()
+        try:
+            wait_until(lambda: pool(proc)["gamma"]["requests"] > 0, timeout=30)
+            r = complete(proc, "beta")
+            assert r.status_code == 507, r.text
+            error = r.json()["error"]
+            assert error["code"] == "model_does_not_fit"
+            assert error["shortfall_bytes"] > error["freeable_bytes"] == 0
+            assert error["needed_bytes"] > error["limit_bytes"] > 0
+            assert set(error["kept_loaded"]) == {MODEL, "gamma"}
+            assert loaded(proc) == {MODEL, "gamma"}
+            assert pool(proc)["gamma"]["requests"] > 0  # still running
+            # The loaded models keep serving meanwhile.
+            assert complete(proc, MODEL).status_code == 200
+        finally:
+            long.join(120)
+        assert result["r"].status_code == 200, result["r"].text
+        assert result["r"].json()["usage"]["completion_tokens"] == 3000
+        assert memory(proc)["models"]["refusals"] == 1
+    finally:
+        proc.stop()
+
+
+def test_busy_lru_model_is_skipped(models_dir: Path, tmp_path: Path) -> None:
+    """The least recently used model has a request in flight: the next one goes instead."""
+    proc = start(models_dir, tmp_path)
+    try:
+        hold_two(proc)
+        result: dict[str, httpx.Response] = {}
+        long = threading.Thread(target=lambda: result.setdefault(
+            "r", complete(proc, MODEL, max_tokens=3000, logit_bias=NO_EOS)))
+        long.start()
+        try:
+            wait_until(lambda: pool(proc)[MODEL]["requests"] > 0, timeout=30)
+            kv = pool(proc)[MODEL]["kv_pool_bytes"]
+            hold_two(proc, extra_bytes=kv)  # the running request's KV is held too
+            assert complete(proc, "beta").status_code == 200
+            r = complete(proc, "gamma")  # MODEL is LRU but busy: beta goes
+            assert r.status_code == 200, r.text
+            assert last_unload(proc)["model"] == "beta"
+            assert MODEL in loaded(proc)
+            assert pool(proc)[MODEL]["requests"] > 0
+        finally:
+            long.join(120)
+        assert result["r"].status_code == 200, result["r"].text
+    finally:
+        proc.stop()
+
+
+def test_idle_models_unload_after_ttl(models_dir: Path, tmp_path: Path) -> None:
+    proc = start(models_dir, tmp_path, "--idle-unload-s", "1", "--pin", MODEL)
+    try:
+        assert complete(proc, "beta").status_code == 200
+        assert "beta" in loaded(proc)
+        wait_until(lambda: "beta" not in loaded(proc), timeout=30)
+        gone = last_unload(proc)
+        assert gone["model"] == "beta" and gone["reason"] == "idle"
+        assert gone["freed_bytes"] >= 0.9 * gone["weight_bytes"] > 0
+        assert loaded(proc) == {MODEL}  # pinned: never unloaded when idle
+        assert complete(proc, "beta").status_code == 200  # and it loads again on demand
+        assert pool(proc)["beta"]["loads"] == 2
+    finally:
+        proc.stop()
