@@ -17,6 +17,7 @@ import pytest
 
 from tests.conftest import MODEL, ServerProcess, wait_until
 
+LONG_TOKENS = 6000
 NO_EOS = {"256": -100, "257": -100, "258": -100}  # the tiny model's special tokens
 
 
@@ -75,6 +76,21 @@ def hold_two(proc: ServerProcess, extra_bytes: int = 0) -> int:
     return ceiling
 
 
+def run_long(proc: ServerProcess, model: str, result: dict[str, httpx.Response]) -> threading.Thread:
+    """A request that keeps `model` busy for a while: the ceiling is lifted while it is
+    admitted (its KV is allocated up front, so decoding needs no more), and the caller
+    sets the tight one again once it runs, counting that KV."""
+    r = httpx.put(proc.url + "/v1/memory-guard", json={"tier": "balanced"})
+    assert r.status_code == 200, r.text
+    thread = threading.Thread(target=lambda: result.setdefault(
+        "r", complete(proc, model, max_tokens=LONG_TOKENS, logit_bias=NO_EOS)))
+    thread.start()
+    wait_until(lambda: pool(proc)[model]["requests"] > 0 and pool(proc)[model]["kv_bytes"] > 0,
+               timeout=30)
+    hold_two(proc, extra_bytes=pool(proc)[model]["kv_pool_bytes"])
+    return thread
+
+
 def last_unload(proc: ServerProcess) -> dict[str, Any]:
     unloads: list[dict[str, Any]] = memory(proc)["models"]["unloads"]
     return unloads[-1]
@@ -130,11 +146,8 @@ def test_pinned_and_busy_models_stay_and_507_when_nothing_can_go(
         # gamma serves a long request; beta then finds MODEL pinned and gamma busy: 507,
         # with the numbers, and nothing is unloaded.
         result: dict[str, httpx.Response] = {}
-        long = threading.Thread(target=lambda: result.setdefault(
-            "r", complete(proc, "gamma", max_tokens=3000, logit_bias=NO_EOS)))
-        long.start()
+        long = run_long(proc, "gamma", result)
         try:
-            wait_until(lambda: pool(proc)["gamma"]["requests"] > 0, timeout=30)
             r = complete(proc, "beta")
             assert r.status_code == 507, r.text
             error = r.json()["error"]
@@ -149,7 +162,7 @@ def test_pinned_and_busy_models_stay_and_507_when_nothing_can_go(
         finally:
             long.join(120)
         assert result["r"].status_code == 200, result["r"].text
-        assert result["r"].json()["usage"]["completion_tokens"] == 3000
+        assert result["r"].json()["usage"]["completion_tokens"] == LONG_TOKENS
         assert memory(proc)["models"]["refusals"] == 1
     finally:
         proc.stop()
@@ -159,15 +172,9 @@ def test_busy_lru_model_is_skipped(models_dir: Path, tmp_path: Path) -> None:
     """The least recently used model has a request in flight: the next one goes instead."""
     proc = start(models_dir, tmp_path)
     try:
-        hold_two(proc)
         result: dict[str, httpx.Response] = {}
-        long = threading.Thread(target=lambda: result.setdefault(
-            "r", complete(proc, MODEL, max_tokens=3000, logit_bias=NO_EOS)))
-        long.start()
+        long = run_long(proc, MODEL, result)
         try:
-            wait_until(lambda: pool(proc)[MODEL]["requests"] > 0, timeout=30)
-            kv = pool(proc)[MODEL]["kv_pool_bytes"]
-            hold_two(proc, extra_bytes=kv)  # the running request's KV is held too
             assert complete(proc, "beta").status_code == 200
             r = complete(proc, "gamma")  # MODEL is LRU but busy: beta goes
             assert r.status_code == 200, r.text
