@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import MODEL, ServerProcess, wait_until
 
-LONG_TOKENS = 6000
+LONG_TOKENS = 4000
 NO_EOS = {"256": -100, "257": -100, "258": -100}  # the tiny model's special tokens
 
 
@@ -76,19 +76,37 @@ def hold_two(proc: ServerProcess, extra_bytes: int = 0) -> int:
     return ceiling
 
 
-def run_long(proc: ServerProcess, model: str, result: dict[str, httpx.Response]) -> threading.Thread:
-    """A request that keeps `model` busy for a while: the ceiling is lifted while it is
-    admitted (its KV is allocated up front, so decoding needs no more), and the caller
-    sets the tight one again once it runs, counting that KV."""
-    r = httpx.put(proc.url + "/v1/memory-guard", json={"tier": "balanced"})
-    assert r.status_code == 200, r.text
-    thread = threading.Thread(target=lambda: result.setdefault(
-        "r", complete(proc, model, max_tokens=LONG_TOKENS, logit_bias=NO_EOS)))
-    thread.start()
-    wait_until(lambda: pool(proc)[model]["requests"] > 0 and pool(proc)[model]["kv_bytes"] > 0,
-               timeout=30)
-    hold_two(proc, extra_bytes=pool(proc)[model]["kv_pool_bytes"])
-    return thread
+class LongRequest:
+    """A streamed request that keeps `model` busy until `stop()` closes it (the server then
+    aborts it). The ceiling is lifted while it is admitted (its KV is allocated up front,
+    so decoding needs no more), then the tight one is set again, counting that KV."""
+
+    def __init__(self, proc: ServerProcess, model: str) -> None:
+        self.events: list[str] = []
+        self.status = 0
+        self._stop = threading.Event()
+        r = httpx.put(proc.url + "/v1/memory-guard", json={"tier": "balanced"})
+        assert r.status_code == 200, r.text
+        self._thread = threading.Thread(target=self._run, args=(proc, model))
+        self._thread.start()
+        wait_until(lambda: pool(proc)[model]["requests"] > 0 and bool(self.events), timeout=30)
+        hold_two(proc, extra_bytes=pool(proc)[model]["kv_pool_bytes"])
+
+    def _run(self, proc: ServerProcess, model: str) -> None:
+        with httpx.stream("POST", proc.url + "/v1/completions", timeout=120, json={
+            "model": model, "prompt": "hello", "max_tokens": LONG_TOKENS, "temperature": 0,
+            "logit_bias": NO_EOS, "stream": True,
+        }) as r:
+            self.status = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    self.events.append(line)
+                if self._stop.is_set():
+                    return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(60)
 
 
 def last_unload(proc: ServerProcess) -> dict[str, Any]:
@@ -145,8 +163,7 @@ def test_pinned_and_busy_models_stay_and_507_when_nothing_can_go(
 
         # gamma serves a long request; beta then finds MODEL pinned and gamma busy: 507,
         # with the numbers, and nothing is unloaded.
-        result: dict[str, httpx.Response] = {}
-        long = run_long(proc, "gamma", result)
+        long = LongRequest(proc, "gamma")
         try:
             r = complete(proc, "beta")
             assert r.status_code == 507, r.text
@@ -159,10 +176,10 @@ def test_pinned_and_busy_models_stay_and_507_when_nothing_can_go(
             assert pool(proc)["gamma"]["requests"] > 0  # still running
             # The loaded models keep serving meanwhile.
             assert complete(proc, MODEL).status_code == 200
+            assert pool(proc)["gamma"]["requests"] > 0  # it was in flight throughout
         finally:
-            long.join(120)
-        assert result["r"].status_code == 200, result["r"].text
-        assert result["r"].json()["usage"]["completion_tokens"] == LONG_TOKENS
+            long.stop()
+        assert long.status == 200 and long.events
         assert memory(proc)["models"]["refusals"] == 1
     finally:
         proc.stop()
@@ -172,8 +189,7 @@ def test_busy_lru_model_is_skipped(models_dir: Path, tmp_path: Path) -> None:
     """The least recently used model has a request in flight: the next one goes instead."""
     proc = start(models_dir, tmp_path)
     try:
-        result: dict[str, httpx.Response] = {}
-        long = run_long(proc, MODEL, result)
+        long = LongRequest(proc, MODEL)
         try:
             assert complete(proc, "beta").status_code == 200
             r = complete(proc, "gamma")  # MODEL is LRU but busy: beta goes
@@ -182,8 +198,8 @@ def test_busy_lru_model_is_skipped(models_dir: Path, tmp_path: Path) -> None:
             assert MODEL in loaded(proc)
             assert pool(proc)[MODEL]["requests"] > 0
         finally:
-            long.join(120)
-        assert result["r"].status_code == 200, result["r"].text
+            long.stop()
+        assert long.status == 200 and long.events
     finally:
         proc.stop()
 
