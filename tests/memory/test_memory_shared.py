@@ -3,7 +3,7 @@ for and have not allocated yet (memory/shared.py)."""
 
 from __future__ import annotations
 
-from memtest_helpers import GiB, FixedProbe, snap
+from memtest_helpers import FixedProbe, GiB, snap
 
 from memory import AdmissionQuery, MemoryGuard, Outcome, Tier
 from memory.shared import GuardView, SharedCommitments
