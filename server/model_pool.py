@@ -27,6 +27,7 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine import EngineClient, load_model
+from engine.heap import trim_heap
 from memory import MemoryGuard
 from memory.decision import usage_bytes
 from memory.fit import FitReport
@@ -341,6 +342,7 @@ class ModelPool:
         entry.state = "unloading"
         before = await self._usage()
         await engine.shutdown(0.0)
+        await asyncio.to_thread(trim_heap)  # the CPU's freed heap back to the OS (engine/heap.py)
         self.shared.drop(entry.id)
         after = await self._usage()
         entry.engine, entry.view, entry.state = None, None, "unloaded"
