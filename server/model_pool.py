@@ -271,6 +271,11 @@ class ModelPool:
         await self._hand_back()
         spec = await asyncio.to_thread(read_spec, settings, entry.path)
         snapshot = await asyncio.to_thread(self.guard.snapshot)
+        # What the engines were admitted for and have not allocated yet counts as in use.
+        pending = sum(self.shared.snapshot().values())
+        if pending:
+            snapshot = dataclasses.replace(
+                snapshot, footprint_bytes=snapshot.footprint_bytes + pending)
         return fit_for_settings(settings, spec, snapshot)
 
     def _victims(self, exclude: ModelEntry) -> list[ModelEntry]:
@@ -298,11 +303,16 @@ class ModelPool:
         entry.state = "loading"
         engine = self.new_engine(entry)
         before = await self._usage()
+        loading = f"load:{entry.id}"
+        if report is not None:  # the engines count the load's bytes until they are in use
+            self.shared.set(loading, report.load.total_bytes - report.load.baseline_bytes)
         try:
             await engine.start()
         except BaseException:
             entry.state = "unloaded"
             raise
+        finally:
+            self.shared.drop(loading)
         entry.engine = engine
         entry.view = self._view(entry, engine)
         entry.weight_bytes = engine.loaded.weight_bytes if engine.loaded else 0

@@ -213,7 +213,7 @@ def test_idle_models_unload_after_ttl(models_dir: Path, tmp_path: Path) -> None:
     try:
         assert complete(proc, "beta").status_code == 200
         assert "beta" in loaded(proc)
-        wait_until(lambda: "beta" not in loaded(proc), timeout=30)
+        wait_until(lambda: pool(proc)["beta"]["state"] == "unloaded", timeout=30)
         gone = last_unload(proc)
         assert gone["model"] == "beta" and gone["reason"] == "idle"
         assert gone["freed_bytes"] >= 0.9 * gone["weight_bytes"] > 0
