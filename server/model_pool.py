@@ -188,9 +188,16 @@ class ModelPool:
         entry.state, entry.last_used, entry.loads = "loaded", time.monotonic(), 1
         entry.weight_bytes = entry.engine.loaded.weight_bytes if entry.engine.loaded else 0
         entry.load_bytes = entry.weight_bytes
-        for item in self.settings.extra_models:
-            async with self._lock:
-                await self._load(self.entries[item], make_room=False)
+        try:
+            for item in self.settings.extra_models:
+                async with self._lock:
+                    await self._load(self.entries[item], make_room=False)
+        except BaseException as exc:
+            # Start-up fails: stop every engine thread first (the primary's included), so
+            # none outlives the interpreter (see EngineClient._release_mlx).
+            log.error("not starting: %s", exc)
+            await self.shutdown(0.0)
+            raise
         if self.settings.idle_unload_s:
             self._ttl_task = asyncio.create_task(self._ttl_loop(self.settings.idle_unload_s))
 
@@ -293,13 +300,18 @@ class ModelPool:
             while not report.fits:
                 victims = self._victims(entry) if make_room else []
                 freeable = sum(v.freeable_bytes() for v in victims)
+                if not make_room and self.settings.force_load:  # at start, as for the first
+                    log.warning("--force-load: loading %s although the reserve is not met: %s",
+                                entry.id, report.message())
+                    break
                 if report.shortfall_bytes > freeable:
                     self.refusals += 1
                     raise self._refusal(entry, report, victims, freeable)
                 await self._unload(victims[0], reason="lru")
                 report = await self._fit(entry)
             log.info("load admission for %s: %s", entry.id, report.message())
-        entry.admission = LoadAdmission(report, forced=False) if report is not None else None
+        entry.admission = (LoadAdmission(report, forced=not report.fits)
+                           if report is not None else None)
         entry.state = "loading"
         engine = self.new_engine(entry)
         before = await self._usage()

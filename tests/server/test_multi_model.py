@@ -222,3 +222,22 @@ def test_idle_models_unload_after_ttl(models_dir: Path, tmp_path: Path) -> None:
         assert pool(proc)["beta"]["loads"] == 2
     finally:
         proc.stop()
+
+
+def test_a_second_model_that_does_not_fit_stops_the_start(models_dir: Path, tmp_path: Path) -> None:
+    """Two --models under a ceiling of two models' weights: the second cannot have its
+    reserve; the server exits with the numbers, unless --force-load."""
+    weights = 2_629_120  # the tiny model's float32 weights
+    args = ["--model", str(models_dir / "beta"), "--memory-probe", "allocator",
+            "--reserve-context-tokens", "256", "--memory-tier", "custom",
+            "--memory-ceiling-bytes", str(2 * weights)]
+    proc = ServerProcess(models_dir / "alpha", args=args)
+    with pytest.raises(RuntimeError, match=r"'.*beta' does not fit: .* over\): weights 2.5 MiB"):
+        proc.start(tmp_path)
+    assert proc.proc is not None and proc.proc.wait(30) == 3  # a failed start-up, not a crash
+    forced = ServerProcess(models_dir / "alpha", args=[*args, "--force-load"]).start(tmp_path)
+    try:
+        beta = pool(forced)[str(models_dir / "beta")]
+        assert beta["state"] == "loaded" and beta["load_check"]["fits"] is False
+    finally:
+        forced.stop()
