@@ -17,6 +17,7 @@ and the engine picks per backend (`EngineConfig.decode_overlap`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,8 @@ class Runner:
         self.fresh: list[int] = []  # last prompt token of each row that joined since the last step
         self.sampler = BatchSampler([])
         self.max_batch_seen = 0
+        # Tensor parallel: every rank feeds back rank 0's tokens (engine.distributed).
+        self.agree: Callable[[SampledStep], SampledStep] | None = None
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -91,6 +94,8 @@ class Runner:
             tokens = current.tokens.tolist()
             self.sampler.accept(tokens)
         self.pending = self.sampler.sample(logits, steps)
+        if self.agree is not None:
+            self.pending = self.agree(self.pending)
         for s in self.seqs:
             self.store.advance(s.request_id, 1)
         self.fresh = []
