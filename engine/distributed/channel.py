@@ -16,12 +16,15 @@ returns (a peer that hangs rather than dies) is what it exists for.
 from __future__ import annotations
 
 import json
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
+TRACE = bool(os.environ.get("MLX_HEADROOM_TP_TRACE"))  # every message on stderr: for debugging
 ROW_WORDS = 1024  # 4 KiB per rank per step: a reading, a digest and a short plan
 HEADER_WORDS = 1  # the payload's length in bytes
 
@@ -65,6 +68,8 @@ class Channel:
 
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order, on every rank (one `all_gather`)."""
+        if TRACE:
+            print(f"[tp {self.rank}] gather #{self.collectives} {obj}", file=sys.stderr, flush=True)
         rows = mx.distributed.all_gather(_pack(obj, ROW_WORDS), group=self.group)
         out = np.array(rows).reshape(self.size, ROW_WORDS)
         self._done()
@@ -73,6 +78,8 @@ class Channel:
     def broadcast(self, obj: Any, words: int) -> Any:
         """Rank 0's `obj` on every rank (`obj` is ignored elsewhere); every rank must pass
         the same `words` (rank 0 announces it first, e.g. in its gathered row)."""
+        if TRACE:
+            print(f"[tp {self.rank}] broadcast #{self.collectives} {obj}", file=sys.stderr, flush=True)
         mine = _pack(obj, words) if self.rank == 0 else mx.zeros((words,), dtype=mx.int32)
         total = mx.distributed.all_sum(mine, group=self.group)
         out = np.array(total)

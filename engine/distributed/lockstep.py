@@ -172,9 +172,9 @@ class Lockstep:
     # ---- tokens ----------------------------------------------------------------------
     def agree_tokens(self, step: SampledStep) -> SampledStep:
         """Rank 0's tokens on every rank, inside the graph (no wait on the host)."""
-        mine = step.tokens.astype(mx.int32)
-        if self.rank != 0:
-            mine = mx.zeros_like(mine)
+        # The others' zeros still depend on their own sampled tokens: a contribution that
+        # did not would leave the step's forward pass (and its all_sums) unevaluated there.
+        mine = step.tokens.astype(mx.int32) * (1 if self.rank == 0 else 0)
         agreed = mx.distributed.all_sum(mine, group=self.channel.group).astype(mx.uint32)
         return dataclasses.replace(step, tokens=agreed)
 

@@ -11,6 +11,7 @@ terminates the others.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import sys
@@ -63,6 +64,8 @@ class Watchdog:
         self._fired.set()
         print(f"mlx-headroom: tensor-parallel group failed: {exc}; exiting with status "
               f"{self.exit_code}", file=sys.stderr, flush=True)
+        if "no collective completed" in str(exc):
+            faulthandler.dump_traceback(all_threads=True)  # where each thread waits
         try:
             self.on_fault(exc)
         except BaseException:  # the exit below must happen whatever the handler does
