@@ -92,6 +92,17 @@ class Rank:
                    publish: Callable[[list[Any]], None]) -> EngineCore:
         assert self.lockstep is not None
         core = EngineCore(loaded, guard, config, publish, admission_cls=LockstepAdmission)
+        run = core.run_forever
+
+        def run_forever() -> None:
+            # A collective that raised ("[ring] connection to a peer was lost") ends the
+            # group, not only this engine: say so to the requests it fails.
+            try:
+                run()
+            except Exception as exc:
+                raise EngineDeadError(f"the tensor-parallel group failed: {exc}") from exc
+
+        core.run_forever = run_forever  # type: ignore[method-assign]
         return attach(core, self.lockstep)
 
     def _on_fault(self, exc: GroupFailedError) -> None:
