@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--load-format", choices=["auto", "dummy"],
-        help="'dummy': random weights; --model then names a preset (llama3-8b, qwen2.5-7b, tiny) "
+        help="'dummy': random weights; --model then names a preset (llama3-8b, llama3-70b, qwen2.5-7b, tiny) "
         "or a config.json",
     )
     serve.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
