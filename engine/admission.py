@@ -174,7 +174,7 @@ class Admission:
 
     def solo_bytes(self, seq: Sequence, tokens: int) -> int:
         """What `seq` needs alone on an idle server, with chunks of `tokens`: its own
-        reservation and one chunk (joining the batch copies nothing in the KV store)."""
+        reservation and one chunk (joining the batch copies nothing)."""
         return self.reservation_bytes([seq]) + self.chunk_prediction(seq, tokens)
 
     def reservation_bytes(self, seqs: Iterable[Sequence]) -> int:

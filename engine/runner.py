@@ -85,29 +85,44 @@ class Runner:
         caches = decode_caches(plan, self.store.geometry.num_layers)
         logits = self.model(inputs[:, None], cache=caches)[:, -1, :]
         steps = [s.generated + (1 if i < n_current else 0) for i, s in enumerate(self.seqs)]
-        feedback = self.sampler.needs_feedback and current is not None
-        if feedback:
-            # A constrained or penalised row needs the previous step's tokens before the
-            # next mask: queue the forward pass, read the tokens while it runs, then sample.
-            assert current is not None
-            mx.async_eval(logits)
-            tokens = current.tokens.tolist()
-            self.sampler.accept(tokens)
-        self.pending = self.sampler.sample(logits, steps)
-        if self.agree is not None:
-            self.pending = self.agree(self.pending)
         for s in self.seqs:
             self.store.advance(s.request_id, 1)
         self.fresh = []
-        if current is None or self.overlap or feedback:
+        if self.sampler.needs_feedback:
+            return self._step_with_feedback(current, logits, steps)
+        self.pending = self._sample(logits, steps)
+        if current is None or self.overlap:
             mx.async_eval(*self.pending.arrays())
         if current is None:
             return []
         emitting = self.seqs[:n_current]
-        if not feedback:
-            tokens = current.tokens.tolist()
-        if not self.overlap and not feedback:
+        tokens = current.tokens.tolist()
+        if not self.overlap:
             mx.async_eval(*self.pending.arrays())
+        logprobs = _read_logprobs(current, emitting)
+        return [
+            StepToken(seq, tok, logprobs[i] if logprobs else None)
+            for i, (seq, tok) in enumerate(zip(emitting, tokens, strict=True))
+        ]
+
+    def _sample(self, logits: mx.array, steps: list[int]) -> SampledStep:
+        step = self.sampler.sample(logits, steps)
+        return step if self.agree is None else self.agree(step)
+
+    def _step_with_feedback(
+        self, current: SampledStep | None, logits: mx.array, steps: list[int]
+    ) -> list[StepToken]:
+        """A constrained or penalised row must see the token it just emitted before its next
+        mask: read the previous step's tokens first (which also lets that step finish before
+        this one writes the pool), hand them to the rows' processors, then sample. Rows that
+        joined this step have emitted nothing yet; their first sample needs no feedback."""
+        tokens = current.tokens.tolist() if current is not None else []
+        self.sampler.accept(tokens)
+        self.pending = self._sample(logits, steps)
+        mx.async_eval(*self.pending.arrays())
+        if current is None:
+            return []
+        emitting = self.seqs[: len(tokens)]
         logprobs = _read_logprobs(current, emitting)
         return [
             StepToken(seq, tok, logprobs[i] if logprobs else None)

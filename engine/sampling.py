@@ -71,7 +71,7 @@ class BatchSampler:
 
     def accept(self, tokens: list[int]) -> None:
         """The tokens the batch just emitted, one per row, in row order; rows past the end
-        joined this step and have emitted nothing yet."""
+        (they joined this step) have emitted nothing yet."""
         for i, processor in self._processors:
             if i < len(tokens):
                 processor.accept(tokens[i])
