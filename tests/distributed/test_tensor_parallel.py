@@ -12,6 +12,7 @@ started by `mlx.launch`, the tiny float32 model split in two.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -115,6 +116,8 @@ def test_a_dead_rank_fails_the_group_cleanly(tiny_model_path: Path, tmp_path: Pa
     error = answer[0].json()["error"]
     assert error["code"] == "engine_unavailable"
     assert "tensor-parallel group failed" in error["message"]
+    with contextlib.suppress(httpx.TransportError):  # until the process is gone, /health says so
+        assert httpx.get(tp.url + "/health", timeout=2).status_code == 503
     tp.proc.wait(timeout=30)
     assert tp.proc.returncode != 0
     assert time.monotonic() - killed_at < 30
