@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 RANK_FAILED = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
 EXIT_RANK_FAILED = 1
+FAILED_GRACE_S = 10.0  # after a rank failed: how long the others get to end before SIGKILL
+STOP_GRACE_S = 30.0  # after SIGTERM: beyond the drain, how long the ranks get to stop
 # Never put a key on a command line (remote ranks would see it in `ps`): pass keys to rank
 # 0 with --env-file on its machine.
 SECRET = re.compile(r"KEY|SECRET|TOKEN|PASSWORD", re.IGNORECASE)
@@ -77,12 +79,29 @@ def launch(settings: Settings, argv: list[str]) -> int:
                             start_new_session=True)
     failed: list[str] = []
 
+    def kill_later(delay_s: float) -> None:
+        # `mlx.launch` waits for every rank it terminates; a rank that hangs (stopped, or
+        # stuck in a driver call) would keep it, and us, waiting forever. SIGKILL ends
+        # even a stopped process, and, through ssh's hang-up, a remote one.
+        def kill() -> None:
+            if proc.poll() is None:
+                print(f"mlx-headroom: ranks still running {delay_s:.0f}s after the group ended; "
+                      "killing them", file=sys.stderr, flush=True)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+
+        timer = threading.Timer(delay_s, kill)
+        timer.daemon = True
+        timer.start()
+
     def relay() -> None:
         assert proc.stderr is not None
         for raw in iter(proc.stderr.readline, b""):
             sys.stderr.buffer.write(raw)
             sys.stderr.buffer.flush()
             if (m := RANK_FAILED.search(raw.decode(errors="replace"))) is not None:
+                if not failed:
+                    kill_later(FAILED_GRACE_S)
                 failed.append(m.group(0))
 
     reader = threading.Thread(target=relay, name="mlx-launch-stderr", daemon=True)
@@ -91,6 +110,7 @@ def launch(settings: Settings, argv: list[str]) -> int:
     def forward(signum: int, frame: Any) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
+        kill_later(settings.shutdown_grace_s + STOP_GRACE_S)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)

@@ -6,8 +6,8 @@ started by `mlx.launch`, the tiny float32 model split in two.
 - Admission is the group's: with only rank 1 made to look full (a per-rank probe injection),
   rank 0, which has room, still refuses with 507 (every rank refused: had one admitted,
   the ranks' digests would differ and the group would fail), and the next request runs.
-- A rank that dies fails the group cleanly: the in-flight request gets a 503 that says so,
-  and the whole group exits non-zero, within a bound.
+- A rank that dies, or hangs, fails the group cleanly: the in-flight request gets a 503 that
+  says so, and the whole group exits non-zero, within a bound.
 """
 
 from __future__ import annotations
@@ -98,27 +98,38 @@ def test_one_full_rank_refuses_for_all(tiny_model_path: Path, tmp_path: Path) ->
         assert tp.stop() == 0, tp.log()
 
 
-def test_a_dead_rank_fails_the_group_cleanly(tiny_model_path: Path, tmp_path: Path) -> None:
-    tp = tp_server(tiny_model_path, tmp_path, args=["--tp-timeout-s", "10"])
-    assert tp.proc is not None
-    answer: list[httpx.Response] = []
-    worker = threading.Thread(target=lambda: answer.append(complete(tp.url, 4000)), daemon=True)
-    worker.start()
-    wait_until(lambda: httpx.get(tp.url + "/v1/memory", timeout=5).json()["queue"]["running"] == 1,
-               timeout=30)
-    ranks = rank_pids(tp)
-    assert sorted(ranks) == [0, 1]
-    killed_at = time.monotonic()
-    os.kill(ranks[1], signal.SIGKILL)
-    worker.join(timeout=30)
-    assert answer, "the in-flight request was not answered"
-    assert answer[0].status_code == 503, answer[0].text
-    error = answer[0].json()["error"]
-    assert error["code"] == "engine_unavailable"
-    assert "tensor-parallel group failed" in error["message"]
-    with contextlib.suppress(httpx.TransportError):  # until the process is gone, /health says so
-        assert httpx.get(tp.url + "/health", timeout=2).status_code == 503
-    tp.proc.wait(timeout=30)
-    assert tp.proc.returncode != 0
-    assert time.monotonic() - killed_at < 30
-    wait_until(lambda: not rank_pids(tp), timeout=10)  # rank 0 gone too, nothing left behind
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["dies", "hangs"])
+def test_a_dead_rank_fails_the_group_cleanly(how: signal.Signals, tiny_model_path: Path,
+                                             tmp_path: Path) -> None:
+    # A dead rank breaks the ring at once; a hung one (stopped) only the watchdog sees, and
+    # mlx.launch would wait on it forever when it terminates the group: `serve` kills it.
+    tp = tp_server(tiny_model_path, tmp_path, args=["--tp-timeout-s", "3"])
+    try:
+        assert tp.proc is not None
+        answer: list[httpx.Response] = []
+        worker = threading.Thread(target=lambda: answer.append(complete(tp.url, 4000)), daemon=True)
+        worker.start()
+        wait_until(lambda: httpx.get(tp.url + "/v1/memory", timeout=5).json()["queue"]["running"] == 1,
+                   timeout=30)
+        ranks = rank_pids(tp)
+        assert sorted(ranks) == [0, 1]
+        killed_at = time.monotonic()
+        os.kill(ranks[1], how)
+        worker.join(timeout=30)
+        assert answer, "the in-flight request was not answered"
+        assert answer[0].status_code == 503, answer[0].text
+        error = answer[0].json()["error"]
+        assert error["code"] == "engine_unavailable"
+        assert "tensor-parallel group failed" in error["message"]
+        with contextlib.suppress(httpx.TransportError):  # until the process is gone, /health says so
+            assert httpx.get(tp.url + "/health", timeout=2).status_code == 503
+        tp.proc.wait(timeout=30)
+        assert tp.proc.returncode != 0
+        assert time.monotonic() - killed_at < 30
+        wait_until(lambda: not rank_pids(tp), timeout=10)  # rank 0 gone too, nothing left behind
+    finally:  # a failing run must not leave ranks behind (a stopped one least of all)
+        for pid in rank_pids(tp).values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if tp.proc is not None and tp.proc.poll() is None:
+            tp.proc.kill()
