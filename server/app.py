@@ -24,6 +24,7 @@ from server.host_guard import HostGuardMiddleware, HostPolicy
 from server.limits import BodyLimitMiddleware
 from server.metrics import Metrics
 from server.metrics import router as metrics_router
+from server.model_fit import LoadAdmission
 from server.openai_routes import router as openai_router
 from server.openapi_doc import install_openapi_errors
 from server.responses import router as responses_router
@@ -74,6 +75,7 @@ def create_app(
     *,
     probe: Probe | None = None,
     load: Callable[[], LoadedModel] | None = None,
+    load_admission: LoadAdmission | None = None,
     on_engine_death: Callable[[BaseException], None] | None = None,
     make_core: Callable[..., Any] | None = None,
     group: Any = None,
@@ -91,7 +93,7 @@ def create_app(
         on_death=on_engine_death,
         **({"make_core": make_core} if make_core is not None else {}),
     )
-    state = ServerState(settings=settings, engine=engine, guard=guard)
+    state = ServerState(settings=settings, engine=engine, guard=guard, load_admission=load_admission)
     history = History(lambda: read_sample(state))
 
     @asynccontextmanager
