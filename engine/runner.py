@@ -17,6 +17,7 @@ and the engine picks per backend (`EngineConfig.decode_overlap`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,8 @@ class Runner:
         self.fresh: list[int] = []  # last prompt token of each row that joined since the last step
         self.sampler = BatchSampler([])
         self.max_batch_seen = 0
+        # Tensor parallel: every rank feeds back rank 0's tokens (engine.distributed).
+        self.agree: Callable[[SampledStep], SampledStep] | None = None
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -87,7 +90,7 @@ class Runner:
         self.fresh = []
         if self.sampler.needs_feedback:
             return self._step_with_feedback(current, logits, steps)
-        self.pending = self.sampler.sample(logits, steps)
+        self.pending = self._sample(logits, steps)
         if current is None or self.overlap:
             mx.async_eval(*self.pending.arrays())
         if current is None:
@@ -102,6 +105,10 @@ class Runner:
             for i, (seq, tok) in enumerate(zip(emitting, tokens, strict=True))
         ]
 
+    def _sample(self, logits: mx.array, steps: list[int]) -> SampledStep:
+        step = self.sampler.sample(logits, steps)
+        return step if self.agree is None else self.agree(step)
+
     def _step_with_feedback(
         self, current: SampledStep | None, logits: mx.array, steps: list[int]
     ) -> list[StepToken]:
@@ -111,7 +118,7 @@ class Runner:
         joined this step have emitted nothing yet; their first sample needs no feedback."""
         tokens = current.tokens.tolist() if current is not None else []
         self.sampler.accept(tokens)
-        self.pending = self.sampler.sample(logits, steps)
+        self.pending = self._sample(logits, steps)
         mx.async_eval(*self.pending.arrays())
         if current is None:
             return []
