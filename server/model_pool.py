@@ -407,6 +407,12 @@ class ModelPool:
             for e in self.entries.values()
         ]
 
+    def card(self, name: str, created: int) -> dict[str, Any] | None:
+        entry = self.find(name)
+        if entry is None:
+            return None
+        return next(c for c in self.cards(created) if c["id"] == entry.id)
+
     def memory_json(self) -> dict[str, Any]:
         models = []
         for e in self.entries.values():

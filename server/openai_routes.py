@@ -370,6 +370,11 @@ async def list_models(request: Request) -> dict[str, Any]:
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, request: Request) -> dict[str, Any]:
     state = get_state(request)
+    pool = getattr(request.app.state, "model_pool", None)
+    if pool is not None and "anthropic-version" not in request.headers:
+        card = pool.card(model, state.started_at)  # any model it may serve, loaded or not
+        if card is not None:
+            return card
     _check_model(state, model)
     if "anthropic-version" in request.headers:
         return anthropic.model_card(state)

@@ -143,6 +143,10 @@ def test_alternating_models_unload_lru_and_footprint_falls(models_dir: Path, tmp
         for model in sorted(loaded(proc)):
             assert complete(proc, model).status_code == 200
         assert len(memory(proc)["models"]["unloads"]) == len(expected)
+        card = httpx.get(proc.url + "/v1/models/gamma").json()
+        assert card["id"] == "gamma" and card["state"] == "loaded"
+        assert httpx.get(proc.url + f"/v1/models/{MODEL}").json()["state"] == "unloaded"
+        assert httpx.get(proc.url + "/v1/models/delta").status_code == 404
         # A name outside the allowed models: 404.
         r = complete(proc, "delta")
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
