@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 MAX_STOP_SEQUENCES = 16
 MAX_N = 8
@@ -216,11 +216,13 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
 
-    @model_validator(mode="after")
-    def _check_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs and not self.logprobs:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        # A field validator (not a model one), so the 400 names `top_logprobs` as its param.
+        if value and not info.data.get("logprobs"):
             raise ValueError("top_logprobs requires logprobs to be true")
-        return self
+        return value
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -56,6 +56,14 @@ def test_unsupported_fields_are_a_400_naming_them(server, field, value):
     assert r.json()["error"]["param"] == field
 
 
+def test_top_logprobs_without_logprobs_is_a_400_naming_it(server):
+    # Found by schemathesis against OpenAI's spec: the refusal named no param.
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "top_logprobs"
+
+
 def test_ignored_fields_are_served(server):
     r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
