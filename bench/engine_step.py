@@ -3,7 +3,9 @@
     python -m bench.engine_step --model llama3-8b --dtype bfloat16 --batch 32 --context 1024
 
 The difference between the two is the engine's per-step bookkeeping (sampling, stop
-checks, reading tokens back); on a GPU it is what the decode loop adds to the model.
+checks, reading tokens back) and its KV store's paged attention; on a GPU it is what the
+decode loop adds to the model. `bench/kv_store.py` compares the store with the left-padded
+`BatchKVCache` directly.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from engine.decode_batch import DecodeBatch
 from engine.dummy_model import build_dummy_model, dummy_config
+from engine.kv import KVGeometry, KVStore, install_attention_hook
 from engine.request import EngineRequest, SamplingParams
+from engine.runner import Runner
 from engine.sequence import Sequence
+from memory import geometry_from_model
 
 
 def prefilled_caches(model, context: int) -> list:
@@ -49,11 +53,24 @@ def bare_steps(model, batch: int, context: int, steps: int) -> float:
 
 def engine_steps(model, batch: int, context: int, steps: int, temperature: float) -> float:
     one = prefilled_caches(model, context - 1)
-    decode = DecodeBatch(model)
+    g = geometry_from_model(model)
+    store = KVStore(KVGeometry(g.num_layers, g.num_kv_heads, g.head_dim, one[0].keys.dtype),
+                    segment_tokens=batch * (context + steps + 32))
+    install_attention_hook(model)
+    decode = Runner(model, store, overlap=mx.cuda.is_available())
     params = SamplingParams(temperature=temperature)
     for i in range(batch):
-        seq = Sequence(EngineRequest(f"r{i}", (1,) * context, 10**6, params))
-        decode.join(seq, [_copy(c) for c in one], 1)
+        seq = Sequence(EngineRequest(f"r{i}", (1,) * context, steps + 8, params))
+        alloc = store.reserve(seq.request_id, context + steps + 8)
+        n = context - 1
+        slots = mx.array([alloc.table[j // store.block_size] * store.block_size + j % store.block_size
+                          for j in range(n)], dtype=mx.int32)
+        for layer, c in enumerate(one):
+            alloc.segment.keys[layer][slots] = c.keys[0, :, :n, :].transpose(1, 0, 2)
+            alloc.segment.values[layer][slots] = c.values[0, :, :n, :].transpose(1, 0, 2)
+        mx.eval(alloc.segment.arrays())
+        store.advance(seq.request_id, n)
+        decode.join(seq)
     for _ in range(3):
         decode.step()
     start = time.perf_counter()
@@ -61,15 +78,6 @@ def engine_steps(model, batch: int, context: int, steps: int, temperature: float
         for item in decode.step():
             item.seq.generated += 1
     return (time.perf_counter() - start) / steps
-
-
-def _copy(cache):
-    from mlx_lm.models.cache import KVCache
-
-    c = KVCache()
-    n = cache.offset
-    c.keys, c.values, c.offset = cache.keys[..., :n, :], cache.values[..., :n, :], n
-    return c
 
 
 def main() -> None:

@@ -1,12 +1,14 @@
 """Turns the engine's state into the memory guard's questions, and its answers into values.
 
 The guard (memory/) knows bytes, ceilings and policy; this module knows what the engine
-holds: the decode batch, the caches of prompts being prefilled, and the prefix cache.
+holds: the KV store's reservations, the prompts being prefilled, and the prefix cache.
 
-Accounting. The decode batch is a left-padded `BatchKVCache`, so its KV grows to
-rows × the longest row's final length; admitting a request *commits* that growth, and
-what is committed but not yet allocated is passed to the guard as `committed_bytes`, so
-decoding can never outgrow what was admitted.
+Accounting. Each request reserves its own prompt + max_tokens in the KV store, rounded
+up to whole blocks (`KVStore.reservation_bytes`), and the store allocates it when the
+request is admitted: decoding writes into memory that already exists, so it can never
+outgrow what was admitted. What admission asks the guard for is the memory the store
+must newly take from the device (`KVStore.growth_bytes`: zero when a segment has the
+free blocks, else a new segment), plus the prefill chunk's transients.
 
 Memory truth. The guard counts what the device counts, MLX's buffer cache and CUDA's pool
 included; this module owns the two MLX calls that keep that honest: handing memory back
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from engine.kv import KVStore
 from engine.sequence import Sequence
 from memory import (
     AdmissionQuery,
@@ -36,7 +39,6 @@ from memory import (
     TransientTracker,
     cache_limit_bytes,
     estimate_prefill,
-    kv_cache_bytes,
 )
 from memory.decision import CODE_GUARD_DISABLED
 
@@ -71,6 +73,7 @@ class Admission:
         self,
         guard: MemoryGuard,
         geometry: ModelGeometry,
+        store: KVStore,
         *,
         backend: str,
         min_chunk_tokens: int = 32,
@@ -79,6 +82,7 @@ class Admission:
     ) -> None:
         self.guard = guard
         self.geometry = geometry
+        self.store = store
         self.backend = backend
         self.min_chunk_tokens = min_chunk_tokens
         self.tracker = tracker or TransientTracker()
@@ -170,18 +174,15 @@ class Admission:
 
     def solo_bytes(self, seq: Sequence, tokens: int) -> int:
         """What `seq` needs alone on an idle server, with chunks of `tokens`: its own
-        reservation, one chunk, and the copy of its KV when that chunk is the last."""
-        join = kv_cache_bytes(self.geometry, seq.prompt_len) if tokens >= seq.remaining_prefill else 0
-        return self.reservation_bytes([seq]) + self.chunk_prediction(seq, tokens) + join
+        reservation and one chunk (joining the batch copies nothing)."""
+        return self.reservation_bytes([seq]) + self.chunk_prediction(seq, tokens)
 
     def reservation_bytes(self, seqs: Iterable[Sequence]) -> int:
-        """KV the decode batch reaches if every admitted sequence runs to max_tokens,
-        plus one layer's copy for the 256-token growth step (MLX grows by concatenation)."""
-        finals = [s.final_len for s in seqs]
-        if not finals:
-            return 0
-        full = kv_cache_bytes(self.geometry, max(finals), batch=len(finals))
-        return full + full // max(self.geometry.num_layers, 1)
+        """Each sequence's own prompt + max_tokens in whole blocks; never rows × longest."""
+        return sum(self.store.reservation_bytes(s.final_len) for s in seqs)
+
+    def growth_bytes(self, seq: Sequence, *, exact: bool) -> int:
+        return self.store.growth_bytes(seq.final_len, seq.shared, exact=exact)
 
     def committed_bytes(self, admitted: list[Sequence], allocated_kv: int) -> int:
         return max(self.reservation_bytes(admitted) - allocated_kv, 0)
@@ -192,8 +193,11 @@ class Admission:
         admitted: list[Sequence],
         allocated_kv: int,
         evictable: int,
-    ) -> Decision:
+    ) -> tuple[Decision, bool]:
         """Can the request's whole reservation be had, with room left for prefill chunks?
+
+        Returns the decision and whether the store must size a new segment exactly to
+        the request (when a full default-size segment would not fit but the request does).
 
         Admission leaves headroom for the largest full-size chunk among the admitted
         requests and this one; without it, reservations could fill the ceiling and leave
@@ -203,14 +207,13 @@ class Admission:
         floor-sized chunks, it could not fit alone on an idle server.
         """
         before = self.reservation_bytes(admitted)
-        growth = self.reservation_bytes([*admitted, seq]) - before
         floor = max(min(self.min_chunk_tokens, seq.remaining_prefill), 1)
         solo = self.solo_bytes(seq, floor)
 
-        def ask(chunk: int) -> Decision:
+        def ask(chunk: int, exact: bool = False) -> Decision:
             return self._ask(
                 AdmissionQuery(
-                    predicted_bytes=growth + chunk,
+                    predicted_bytes=self.growth_bytes(seq, exact=exact) + chunk,
                     committed_bytes=max(before - allocated_kv, 0),
                     evictable_bytes=evictable,
                     releasable_bytes=max(before, allocated_kv),
@@ -224,18 +227,24 @@ class Admission:
             (self.full_chunk_prediction(s) for s in [*admitted, seq] if s.remaining_prefill),
             default=0,
         )
+        go = (Outcome.ADMIT, Outcome.EVICT)
         decision = ask(full)
-        if decision.outcome not in (Outcome.ADMIT, Outcome.EVICT) and not admitted:
-            fallback = ask(self.chunk_prediction(seq, floor))
-            if fallback.outcome in (Outcome.ADMIT, Outcome.EVICT):
-                return fallback
-        return decision
+        exact = False
+        smaller = self.growth_bytes(seq, exact=True) < self.growth_bytes(seq, exact=False)
+        if decision.outcome not in go and smaller:
+            tight = ask(full, exact=True)
+            if tight.outcome in go or decision.outcome is Outcome.REJECT:
+                decision, exact = tight, True
+        if decision.outcome not in go and not admitted:
+            fallback = ask(self.chunk_prediction(seq, floor), exact=True)
+            if fallback.outcome in go:
+                return fallback, True
+        return decision, exact
 
     def full_chunk_prediction(self, seq: Sequence) -> int:
-        """A full-size chunk; for the last one, plus the copy of the prompt's KV at the join."""
+        """A full-size chunk (joining the batch copies nothing: no join term)."""
         tokens = max(min(seq.chunk_tokens, seq.remaining_prefill), 1)
-        join = kv_cache_bytes(self.geometry, seq.prompt_len) if tokens >= seq.remaining_prefill else 0
-        return self.chunk_prediction(seq, tokens) + join
+        return self.chunk_prediction(seq, tokens)
 
     def plan_chunk(
         self,
@@ -243,22 +252,15 @@ class Admission:
         admitted: list[Sequence],
         allocated_kv: int,
         evictable: int,
-        batch_kv_bytes: int = 0,
         max_tokens: int | None = None,
     ) -> ChunkPlan:
-        """Ask before the chunk; when it does not fit, halve it down to the floor first.
-
-        The last chunk is followed, in the same step, by the join: the prompt's KV is copied
-        into the batch (`BatchKVCache.merge`, then `extend`, one layer at a time), so for a
-        moment the prompt's KV exists twice and one layer of the batch three times.
-        """
+        """Ask before the chunk; when it does not fit, halve it down to the floor first."""
         committed = self.committed_bytes(admitted, allocated_kv)
-        releasable = max(self.reservation_bytes([s for s in admitted if s is not seq]), 0)
+        others = self.reservation_bytes([s for s in admitted if s is not seq])
+        releasable = max(others, allocated_kv - self.reservation_bytes([seq]))
         tokens = min(seq.chunk_tokens, seq.remaining_prefill, max_tokens or seq.chunk_tokens)
         while True:
             predicted = self.chunk_prediction(seq, tokens)
-            if tokens >= seq.remaining_prefill:
-                predicted += self.join_transient_bytes(seq, batch_kv_bytes)
             decision = self._ask(
                 AdmissionQuery(
                     predicted_bytes=predicted,
@@ -275,10 +277,6 @@ class Admission:
             if tokens <= self.min_chunk_tokens:
                 return ChunkPlan(tokens, predicted, decision)
             tokens = max(tokens // 2, self.min_chunk_tokens)
-
-    def join_transient_bytes(self, seq: Sequence, batch_kv_bytes: int) -> int:
-        layers = max(self.geometry.num_layers, 1)
-        return kv_cache_bytes(self.geometry, seq.prompt_len) + 2 * batch_kv_bytes // layers
 
     def observe_chunk(self, tokens: int, peak_delta_bytes: int, predicted_bytes: int = 0) -> None:
         self.tracker.observe(tokens, peak_delta_bytes)

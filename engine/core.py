@@ -18,11 +18,12 @@ from typing import Any
 import mlx.core as mx
 
 from engine.admission import Admission, ChunkSample
-from engine.decode_batch import DecodeBatch
 from engine.errors import InsufficientMemoryError, MemoryProbeUnavailableError
+from engine.kv import KVStore, install_attention_hook
 from engine.loader import LoadedModel
 from engine.prefix_cache import PrefixCache, PrefixCacheStats
 from engine.request import EngineRequest, RequestOutput
+from engine.runner import Runner
 from engine.sequence import RequestStatus, Sequence
 from memory import Decision, MemoryGuard, Outcome, ProbeUnavailableError
 from memory.decision import CODE_PROBE_FAILED, CODE_READING_STALE, CODE_WAITING
@@ -30,6 +31,10 @@ from memory.decision import CODE_PROBE_FAILED, CODE_READING_STALE, CODE_WAITING
 log = logging.getLogger("mlx_headroom.engine")
 
 Publish = Callable[[list[RequestOutput]], None]
+
+# The CPU attends segment by segment anyway (gather + SDPA per group), and its memory is
+# the system's: small segments hand memory back as soon as their requests end.
+CPU_SEGMENT_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,9 @@ class EngineConfig:
     prefix_cache_bytes: int = 1 << 30
     prefix_cache_entries: int = 16
     min_chunk_tokens: int = 32
+    kv_block_size: int = 16
+    kv_segment_tokens: int | None = None  # None: sized from the model (engine.kv.store)
+    decode_overlap: bool | None = None  # None: on for CUDA (measured safe), off elsewhere (engine.runner)
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,12 @@ class EngineStats:
     running: int = 0
     committed_bytes: int = 0
     kv_bytes: int = 0
+    kv_reserved_bytes: int = 0
+    kv_used_bytes: int = 0
+    kv_pool_bytes: int = 0
+    kv_bytes_per_token: int = 0
+    kv_block_size: int = 0
+    kv_segments: int = 0
     prefix_cache: PrefixCacheStats | None = None
     steps: int = 0
     decode_steps: int = 0
@@ -97,14 +111,26 @@ class EngineCore:
         self.guard = guard
         self.config = config
         self.publish = publish
+        segment_tokens = config.kv_segment_tokens
+        if segment_tokens is None and loaded.backend == "cpu":
+            segment_tokens = CPU_SEGMENT_TOKENS
+        self.store = KVStore(
+            loaded.kv_geometry(), block_size=config.kv_block_size, segment_tokens=segment_tokens
+        )
+        if not install_attention_hook(self.model):
+            raise RuntimeError(f"{loaded.model_id}: its attention does not go through mlx-lm's "
+                               "scaled_dot_product_attention; the paged KV store cannot serve it")
         self.admission = Admission(
-            guard, loaded.geometry, backend=loaded.backend, min_chunk_tokens=config.min_chunk_tokens,
-            weight_bytes=loaded.weight_bytes,
+            guard, loaded.geometry, self.store, backend=loaded.backend,
+            min_chunk_tokens=config.min_chunk_tokens, weight_bytes=loaded.weight_bytes,
         )
         self.prefix_cache = PrefixCache(
-            max_bytes=config.prefix_cache_bytes, max_entries=config.prefix_cache_entries
+            self.store, max_bytes=config.prefix_cache_bytes, max_entries=config.prefix_cache_entries
         )
-        self.batch = DecodeBatch(self.model)
+        overlap = config.decode_overlap
+        if overlap is None:
+            overlap = loaded.backend == "cuda"
+        self.batch = Runner(self.model, self.store, overlap=overlap)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
         self.inbox: queue.SimpleQueue[_Submit | _Abort | _Call | None] = queue.SimpleQueue()
@@ -207,7 +233,8 @@ class EngineCore:
         return [*self.prefilling, *self.batch.seqs]
 
     def _allocated_kv(self) -> int:
-        return self.batch.kv_nbytes() + sum(s.kv_nbytes() for s in self.prefilling)
+        """KV memory that admitted requests hold (their segments), all allocated up front."""
+        return self.store.request_bytes()
 
     def _protected(self) -> frozenset[tuple[int, ...]]:
         keys = {s.prefix_key for s in [*self.waiting, *self.prefilling] if s.prefix_key}
@@ -218,27 +245,40 @@ class EngineCore:
         now = time.monotonic()
         while self.waiting and len(self._admitted()) < self.config.max_concurrency:
             seq = self.waiting[0]
-            if seq.caches is None:
+            if not seq.looked_up:
                 self._lookup_prefix(seq)
-            decision = self.admission.preflight(
+            decision, exact = self.admission.preflight(
                 seq, self._admitted(), self._allocated_kv(),
                 self.prefix_cache.evictable_bytes(self._protected()),
             )
             if not self._act_on(seq, decision, now):
                 return
             self.waiting.popleft()
+            self._reserve(seq, exact=exact)
             seq.status = RequestStatus.PREFILLING
             seq.wait_since = None
             self.prefilling.append(seq)
 
     def _lookup_prefix(self, seq: Sequence) -> None:
+        seq.looked_up = True
         hit = self.prefix_cache.lookup(seq.request.prompt_tokens)
         if hit is None:
-            seq.caches = self.loaded.make_cache()
             return
-        seq.caches = hit.caches
+        seq.shared = hit.prefix
         seq.processed = seq.cached_tokens = hit.cached_tokens
         seq.prefix_key = hit.key
+
+    def _reserve(self, seq: Sequence, *, exact: bool) -> None:
+        """The request's KV, allocated now for its whole life (prompt + max_tokens)."""
+        shared = seq.shared
+        if shared is not None and (seq.prefix_key is None or seq.prefix_key not in self.prefix_cache):
+            shared = None  # the entry was evicted meanwhile: recompute from scratch
+            seq.processed = seq.cached_tokens = 0
+            seq.prefix_key = None
+        alloc = self.store.reserve(seq.request_id, seq.final_len, shared, exact=exact)
+        assert alloc.length == seq.processed
+        seq.has_kv = True
+        seq.shared = None
 
     def _act_on(self, seq: Sequence, decision: Decision, now: float) -> bool:
         """Evict, wait or refuse as the decision says; True when the work may go ahead.
@@ -310,7 +350,6 @@ class EngineCore:
                 plan = self.admission.plan_chunk(
                     seq, self._admitted(), self._allocated_kv(),
                     self.prefix_cache.evictable_bytes(self._protected()),
-                    batch_kv_bytes=self.batch.kv_nbytes(),
                     max_tokens=budget,
                 )
                 if not self._act_on(seq, plan.decision, time.monotonic()):
@@ -337,7 +376,7 @@ class EngineCore:
             return False
         seq = victims[-1]
         self.prefilling.remove(seq)
-        seq.caches = None
+        self._drop_kv(seq)
         seq.processed = seq.cached_tokens = 0
         seq.prefix_key = None
         seq.wait_since = None
@@ -349,14 +388,10 @@ class EngineCore:
         return True
 
     def _run_chunk(self, seq: Sequence, tokens: int) -> None:
-        assert seq.caches is not None
-        start = seq.processed
-        chunk = mx.array(seq.request.prompt_tokens[start : start + tokens])[None]
         predicted = self.admission.chunk_prediction(seq, tokens)  # before the tracker learns
         active_before = mx.get_active_memory()
         self.admission.reset_peak()
-        self.model(chunk, cache=seq.caches)
-        mx.eval([c.state for c in seq.caches])
+        self.batch.prefill_chunk(seq, tokens)
         self.admission.observe_chunk(tokens, max(mx.get_peak_memory() - active_before, 0), predicted)
         # No clear_cache here: the guard has memory handed back when admission needs room.
         seq.processed += tokens
@@ -364,13 +399,15 @@ class EngineCore:
         self._counters["prompt_tokens"] += tokens
 
     def _join_batch(self, seq: Sequence) -> None:
-        assert seq.caches is not None
+        """Joining copies nothing: the request's blocks stay where they are, and its last
+        prompt token is its input in the next decode step."""
         prompt = seq.request.prompt_tokens
         if seq.processed > seq.cached_tokens and seq.processed > 0:
-            self.prefix_cache.insert(prompt[: seq.processed], seq.caches)
-        self.batch.join(seq, seq.caches, prompt[-1])
+            prefix = self.store.hold_prefix(seq.request_id, seq.processed)
+            if prefix is not None:
+                self.prefix_cache.insert(prompt[: prefix.tokens], prefix)
+        self.batch.join(seq)
         self.prefilling.remove(seq)
-        seq.caches = None
         seq.prefix_key = None
         seq.status = RequestStatus.RUNNING
 
@@ -407,6 +444,15 @@ class EngineCore:
                     )
                 )
         self.batch.remove(finished)
+        for seq in finished:
+            self._drop_kv(seq)
+
+    def _drop_kv(self, seq: Sequence) -> None:
+        if seq.has_kv:
+            self.store.release(seq.request_id)
+            seq.has_kv = False
+        seq.shared = None
+        seq.looked_up = False
 
     def _recover_from_device_oom(self, exc: RuntimeError, victims: list[Sequence]) -> None:
         """The last line of defence, for backends where an allocation failure is catchable
@@ -427,7 +473,7 @@ class EngineCore:
             retryable=True,
         )
         if victims and victims == self.batch.seqs:
-            self.batch.remove(list(victims))  # drops the arrays without touching them
+            self.batch.remove(list(victims))
         for seq in victims:
             self._finish(seq, RequestStatus.FINISHED_REJECTED, error=error)
         self.prefix_cache.clear()
@@ -457,7 +503,7 @@ class EngineCore:
             self.prefilling.remove(seq)
         elif seq in self.batch.seqs:
             self.batch.remove([seq])
-        seq.caches = None
+        self._drop_kv(seq)
         seq.prefix_key = None
         reason = "abort" if status is RequestStatus.FINISHED_ABORTED else "rejected"
         self._outputs.append(
@@ -486,14 +532,19 @@ class EngineCore:
 
     def _publish_stats(self) -> None:
         c = self._counters
-        admitted = self._admitted()
-        allocated = self._allocated_kv()
+        kv = self.store.stats()
         self.stats = EngineStats(
             waiting=len(self.waiting),
             prefilling=len(self.prefilling),
             running=len(self.batch),
-            committed_bytes=self.admission.reservation_bytes(admitted),
-            kv_bytes=allocated,
+            committed_bytes=kv.request_bytes,
+            kv_bytes=kv.request_bytes,
+            kv_reserved_bytes=kv.reserved_bytes,
+            kv_used_bytes=kv.used_bytes,
+            kv_pool_bytes=kv.pool_bytes,
+            kv_bytes_per_token=kv.bytes_per_token,
+            kv_block_size=kv.block_size,
+            kv_segments=kv.segments,
             prefix_cache=self.prefix_cache.stats(),
             steps=c["steps"],
             decode_steps=c["decode_steps"],

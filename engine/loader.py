@@ -13,6 +13,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from engine.kv import KVGeometry
 from engine.tiny_model import ensure_default_model
 from memory import ModelGeometry, geometry_from_model
 
@@ -42,6 +43,17 @@ class LoadedModel:
 
     def make_cache(self) -> list[KVCache]:
         return make_prompt_cache(self.model)
+
+    def kv_geometry(self) -> KVGeometry:
+        """The KV store's shape: every layer must use a plain `KVCache` (full attention)."""
+        caches = self.make_cache()
+        if any(type(c) is not KVCache for c in caches):
+            kinds = sorted({type(c).__name__ for c in caches})
+            raise RuntimeError(
+                f"{self.model_id}: cache types {kinds} are not supported by the paged KV store"
+            )
+        g = self.geometry
+        return KVGeometry(g.num_layers, g.num_kv_heads, g.head_dim, _kv_dtype(self.model))
 
 
 def _context_length(path: Path | None, tokenizer: Any, default: int = 8192) -> int:
@@ -106,6 +118,14 @@ def load_model(
         f"backend {loaded.backend}"
     )
     return loaded
+
+
+def _kv_dtype(model: Any) -> mx.Dtype:
+    """The dtype the model computes K/V in: that of its first floating-point parameter."""
+    for _, v in _flatten(model.parameters()):
+        if mx.issubdtype(v.dtype, mx.floating):
+            return v.dtype
+    return mx.float32
 
 
 def _flatten(tree: Any, prefix: str = "") -> list[tuple[str, mx.array]]:

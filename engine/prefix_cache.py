@@ -1,11 +1,11 @@
-"""A prefix (KV) cache with byte accounting, LRU eviction and protected entries.
+"""A prefix (KV) cache over the KV store's blocks: byte accounting, LRU, protection.
 
-Entries hold the KV arrays of a prompt's prefix, keyed by its token ids. An MLX array
-object is updated in place by slice assignment (`KVCache.update_and_fetch` does that), so
-an entry and a request must never hold the same array *object*: both sides get their own
-slice views. Views share the buffer until the request writes, when MLX copies it because
-the entry still holds a reference. A hit therefore costs nothing until the request grows
-its cache, and an entry can be evicted while a request that hit it is still running.
+Entries are keyed by a prompt prefix's token ids and hold references on the whole
+blocks of the store that contain its KV (`SharedPrefix`). A hit lends those blocks to
+the new request, which references them too: nothing is copied, and an entry can be
+evicted while a request that hit it still runs (the blocks stay until both let go).
+A hit covers the whole common prefix: full blocks are shared, and the few tokens of a
+partly filled last block are copied (copy-on-write of at most one block).
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
 
-LayerState = tuple[mx.array, mx.array, int]
+from engine.kv import KVStore, SharedPrefix
+
 TokenKey = tuple[int, ...]
 
 
@@ -26,7 +25,7 @@ TokenKey = tuple[int, ...]
 class PrefixHit:
     key: TokenKey
     cached_tokens: int
-    caches: list[KVCache]
+    prefix: SharedPrefix
 
 
 @dataclass(frozen=True)
@@ -43,7 +42,7 @@ class PrefixCacheStats:
 @dataclass
 class _Entry:
     tokens: np.ndarray
-    layers: list[LayerState]
+    prefix: SharedPrefix
     nbytes: int
 
 
@@ -56,7 +55,8 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class PrefixCache:
-    def __init__(self, *, max_bytes: int, max_entries: int) -> None:
+    def __init__(self, store: KVStore, *, max_bytes: int, max_entries: int) -> None:
+        self.store = store
         self.max_bytes = max_bytes
         self.max_entries = max_entries
         self._entries: OrderedDict[TokenKey, _Entry] = OrderedDict()  # LRU first
@@ -71,6 +71,9 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
 
     def lookup(self, tokens: Sequence[int]) -> PrefixHit | None:
         """The entry sharing the longest prefix with `tokens`, trimmed to that prefix.
@@ -93,21 +96,20 @@ class PrefixCache:
             return None
         self.hits += 1
         self._entries.move_to_end(best_key)
-        caches = []
-        for keys, values, _ in self._entries[best_key].layers:
-            c = KVCache()
-            c.keys, c.values = keys[..., :best_len, :], values[..., :best_len, :]
-            c.offset = best_len
-            caches.append(c)
-        return PrefixHit(best_key, best_len, caches)
+        held = self._entries[best_key].prefix
+        prefix = SharedPrefix(held.segment_id, held.blocks[: self.store.blocks_for(best_len)], best_len)
+        return PrefixHit(best_key, prefix.tokens, prefix)
 
-    def insert(self, tokens: Sequence[int], caches: Sequence[KVCache]) -> None:
-        """Store the KV of `tokens`; entries that are a prefix of it become redundant."""
-        if len(tokens) == 0 or any(c.keys is None for c in caches):
-            return
+    def insert(self, tokens: Sequence[int], prefix: SharedPrefix) -> None:
+        """Keep `prefix` (the KV of `tokens`, a hold the caller hands over); entries that
+        are a prefix of it become redundant. A hold the cache does not keep is dropped."""
         key = tuple(tokens)
+        if len(key) == 0 or len(key) != prefix.tokens:
+            self.store.drop_prefix(prefix)
+            return
         if key in self._entries:
             self._entries.move_to_end(key)
+            self.store.drop_prefix(prefix)
             return
         arr = np.asarray(key, dtype=np.int64)
         for other_key, other in list(self._entries.items()):
@@ -116,17 +118,19 @@ class PrefixCache:
                 self._drop(other_key)
             elif n == len(arr):
                 self._entries.move_to_end(other_key)
+                self.store.drop_prefix(prefix)
                 return
-        layers = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :], c.offset) for c in caches]
-        nbytes = sum(c.nbytes for c in caches)  # the views keep the whole buffers alive
+        nbytes = len(prefix.blocks) * self.store.block_bytes
         if nbytes > self.max_bytes:
+            self.store.drop_prefix(prefix)
             return
-        self._entries[key] = _Entry(arr, layers, nbytes)
+        self._entries[key] = _Entry(arr, prefix, nbytes)
         self._bytes += nbytes
         self._enforce_limits()
 
     def evictable_bytes(self, protect: frozenset[TokenKey] = frozenset()) -> int:
-        return sum(e.nbytes for k, e in self._entries.items() if k not in protect)
+        """Device memory that evicting every unprotected entry would return."""
+        return self.store.freeable_bytes([e.prefix for k, e in self._entries.items() if k not in protect])
 
     def evict(self, nbytes: int, protect: frozenset[TokenKey] = frozenset()) -> int:
         """Evict least-recently-used entries (never those in `protect`) until `nbytes` are freed."""
@@ -134,8 +138,9 @@ class PrefixCache:
         for key in [k for k in self._entries if k not in protect]:
             if freed >= nbytes:
                 break
-            freed += self._entries[key].nbytes
+            pool = self.store.pool_bytes()
             self._drop(key)
+            freed += pool - self.store.pool_bytes()
             self.evictions += 1
         return freed
 
@@ -156,6 +161,7 @@ class PrefixCache:
     def _drop(self, key: TokenKey) -> None:
         entry = self._entries.pop(key)
         self._bytes -= entry.nbytes
+        self.store.drop_prefix(entry.prefix)
 
     def _enforce_limits(self) -> None:
         while self._entries and (

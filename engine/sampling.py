@@ -70,9 +70,11 @@ class BatchSampler:
         return bool(self._processors)
 
     def accept(self, tokens: list[int]) -> None:
-        """The tokens the batch just emitted, one per row, in row order."""
+        """The tokens the batch just emitted, in row order; rows past the end of `tokens`
+        (joined this step, nothing emitted yet) have nothing to accept."""
         for i, processor in self._processors:
-            processor.accept(tokens[i])
+            if i < len(tokens):
+                processor.accept(tokens[i])
 
     def sample(self, logits: mx.array, steps: list[int]) -> SampledStep:
         """`logits` is [B, V]; `steps[i]` is the index of the token row i is about to emit."""

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mlx_lm.models.cache import KVCache
-
+from engine.kv import SharedPrefix
 from engine.prefix_cache import TokenKey
 from engine.request import EngineRequest, RequestStatus
 
@@ -14,7 +13,9 @@ from engine.request import EngineRequest, RequestStatus
 class Sequence:
     request: EngineRequest
     status: RequestStatus = RequestStatus.WAITING
-    caches: list[KVCache] | None = None  # the request's own KV while it prefills
+    looked_up: bool = False  # the prefix cache was asked (once per admission attempt)
+    shared: SharedPrefix | None = None  # blocks a prefix-cache hit lends this request
+    has_kv: bool = False  # holds a reservation in the engine's KV store
     processed: int = 0  # prompt tokens already in the KV cache
     cached_tokens: int = 0  # of those, how many came from the prefix cache
     prefix_key: TokenKey | None = None
@@ -40,6 +41,3 @@ class Sequence:
     def remaining_prefill(self) -> int:
         """Prompt tokens still to run before the last one (which starts decoding)."""
         return max(self.prompt_len - 1 - self.processed, 0)
-
-    def kv_nbytes(self) -> int:
-        return sum(c.nbytes for c in self.caches) if self.caches else 0

@@ -121,6 +121,14 @@ async def memory_view(request: Request) -> dict[str, Any]:
         },
         "committed_bytes": stats.committed_bytes,
         "kv_bytes": stats.kv_bytes,
+        "kv": {
+            "reserved_bytes": stats.kv_reserved_bytes,
+            "used_bytes": stats.kv_used_bytes,
+            "bytes_per_token": stats.kv_bytes_per_token,
+            "pool_bytes": stats.kv_pool_bytes,
+            "block_size": stats.kv_block_size,
+            "segments": stats.kv_segments,
+        },
         "prefix_cache": {
             "bytes": prefix.bytes if prefix else 0,
             "entries": prefix.entries if prefix else 0,

@@ -7,6 +7,8 @@ is wrapped to raise CUDA's error exactly where the test says.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +22,7 @@ import uvicorn
 from engine import LoadedModel, load_model
 from server.app import create_app
 from server.settings import Settings
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_until
 
 MODEL = "mlx-headroom/tiny-chat"
 CUDA_OOM = "[cudaMallocAsync] cudaMallocAsync(&data, size, stream) failed: out of memory"
@@ -34,6 +36,7 @@ class FlakyModel:
         self.fail_prefill = 0
         self.fail_decode = 0
         self.crash = False
+        self.failed_in: list[list[str]] = []  # the engine functions on the stack at each failure
 
     def __call__(self, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         if self.crash:
@@ -43,6 +46,7 @@ class FlakyModel:
             raise RuntimeError(CUDA_OOM)
         if inputs.shape[1] == 1 and self.fail_decode:
             self.fail_decode -= 1
+            self.failed_in.append([f.function for f in inspect.stack()])
             raise RuntimeError(CUDA_OOM)
         return self._model(inputs, *args, **kwargs)
 
@@ -98,6 +102,9 @@ def test_decode_oom_refuses_the_batch_and_the_server_keeps_serving(flaky_server)
     r = chat(url)
     assert r.status_code == 507, r.text
     assert r.json()["error"]["code"] == "device_out_of_memory"
+    # it failed inside the batch's decode step (the old one-row join forward ran in prefill)
+    stack = model.failed_in[-1]
+    assert "_decode" in stack and "_prefill" not in stack, stack
     ok = chat(url)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8
     assert httpx.get(f"{url}/health").status_code == 200
@@ -112,3 +119,24 @@ def test_a_dead_engine_answers_503(flaky_server):
     assert httpx.get(f"{url}/health").status_code == 503
     again = chat(url)
     assert again.status_code == 503 and again.json()["error"]["type"] == "service_unavailable"
+
+
+def test_decode_oom_with_two_rows_refuses_both_and_frees_their_kv(flaky_server):
+    url, model = flaky_server
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400}
+            tasks = [asyncio.create_task(client.post("/v1/chat/completions", json=body)) for _ in range(2)]
+            await asyncio.to_thread(
+                wait_until, lambda: httpx.get(f"{url}/v1/memory").json()["queue"]["running"] == 2)
+            model.fail_decode = 1
+            return list(await asyncio.gather(*tasks))
+
+    responses = asyncio.run(run())
+    assert [r.status_code for r in responses] == [507, 507], [r.text for r in responses]
+    assert "_decode" in model.failed_in[-1]
+    memory = httpx.get(f"{url}/v1/memory").json()
+    assert memory["engine"]["oom_recoveries"] >= 1
+    assert memory["kv"]["reserved_bytes"] == 0 and memory["kv_bytes"] == 0
+    assert chat(url).status_code == 200

@@ -1,0 +1,29 @@
+"""The engine's KV store: paged blocks allocated per request, and attention over them.
+
+    store.py        segments, block tables, reservations, prefix holds, bytes
+    blocks.py       free lists and reference counts (pure Python)
+    cache.py        the per-layer cache objects mlx-lm's model code calls
+    attention.py    the rebound attention: CUDA kernel or plain-MLX fallback
+    cuda_decode.py  the paged decode kernel (`mx.fast.cuda_kernel`)
+
+`docs/kv-store.md` explains the design and its measurements.
+"""
+
+from engine.kv.attention import install_attention_hook, kernel_active, use_kernel
+from engine.kv.cache import DecodePlan, decode_caches, plan_decode, prefill_caches
+from engine.kv.store import Allocation, KVGeometry, KVStore, KVStoreStats, SharedPrefix
+
+__all__ = [
+    "Allocation",
+    "DecodePlan",
+    "KVGeometry",
+    "KVStore",
+    "KVStoreStats",
+    "SharedPrefix",
+    "decode_caches",
+    "install_attention_hook",
+    "kernel_active",
+    "plan_decode",
+    "prefill_caches",
+    "use_kernel",
+]

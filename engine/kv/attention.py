@@ -1,0 +1,114 @@
+"""Paged decode attention, and the hook that routes mlx-lm's attention to it.
+
+mlx-lm's model files import `scaled_dot_product_attention` by name from
+`mlx_lm.models.base`, so patching `base` reaches none of them. `install_attention_hook`
+rebinds the name in each module that defines one of the model's layers; the rebound
+function answers for a `DecodeCache` and hands every other cache (prefill chunks, other
+engines' caches) to the original unchanged. Model files are not forked.
+
+Backends. One group of rows (the rows living in one segment) is attended either by
+the CUDA paged kernel (`engine.kv.cuda_decode`, reads the pool through block tables), or
+by the plain-MLX fallback beside it: gather that group's slots for one layer, then one
+masked `mx.fast.scaled_dot_product_attention`. The fallback serves the CPU and Metal
+(no Metal kernel ships yet), CUDA shapes the kernel does not take (head_dim not a multiple
+of 32), and is the reference the kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm.models.base as mlx_base
+
+from engine.kv.cache import DecodeCache, DecodeGroup
+
+_ORIGINAL: Callable[..., mx.array] = mlx_base.scaled_dot_product_attention
+_kernel_enabled: bool | None = None
+
+
+def use_kernel(enabled: bool | None) -> None:
+    """Force the CUDA kernel on or off (None: on whenever CUDA is the default device)."""
+    global _kernel_enabled
+    _kernel_enabled = enabled
+
+
+def kernel_active() -> bool:
+    if _kernel_enabled is not None:
+        return _kernel_enabled
+    return bool(mx.cuda.is_available()) and mx.default_device().type == mx.gpu
+
+
+def paged_scaled_dot_product_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    cache: Any,
+    scale: float,
+    mask: Any,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    if isinstance(cache, DecodeCache):
+        if sinks is not None:
+            raise NotImplementedError("attention sinks are not supported by the paged KV store")
+        return decode_attention(queries, cache, scale)
+    return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def decode_attention(queries: mx.array, cache: DecodeCache, scale: float) -> mx.array:
+    """`queries` is [B, heads, 1, dim]; each row attends to its own blocks only."""
+    plan = cache.plan
+    outs = []
+    for g in plan.groups:
+        q = queries if g.rows is None else queries[g.rows]
+        outs.append(_attend_group(q, g, cache.layer, scale, plan.block_size))
+    if plan.order is None:
+        return outs[0]
+    return mx.concatenate(outs, axis=0)[plan.order]
+
+
+def _attend_group(q: mx.array, g: DecodeGroup, layer: int, scale: float, block_size: int) -> mx.array:
+    keys, values = g.segment.keys[layer], g.segment.values[layer]
+    if kernel_active() and q.shape[-1] % 32 == 0 and q.shape[1] % keys.shape[1] == 0:
+        from engine.kv.cuda_decode import paged_decode
+
+        return paged_decode(q, keys, values, g.table, g.lengths, g.max_length, scale, block_size)
+    return plain_decode(q, keys, values, g, scale, block_size)
+
+
+def plain_decode(
+    q: mx.array, keys: mx.array, values: mx.array, g: DecodeGroup, scale: float, block_size: int
+) -> mx.array:
+    """Gather this group's slots of one layer, then one masked SDPA (CPU, Metal, reference)."""
+    slots, heads, dim = keys.shape
+    read, mask = g.plain_indices(block_size, heads)
+    k = keys.reshape(slots * heads, dim)[read]  # [Bg, H, L, D]
+    v = values.reshape(slots * heads, dim)[read]
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+def install_attention_hook(model: Any) -> int:
+    """Rebind `scaled_dot_product_attention` in the modules defining the model's layers.
+
+    Returns how many modules were rebound; zero means the model's attention does not go
+    through mlx-lm's shared function, and the paged store cannot serve it.
+    """
+    names = {type(m).__module__ for m in _modules(model)}
+    rebound = 0
+    for name in sorted(names):
+        module = sys.modules.get(name)
+        fn = getattr(module, "scaled_dot_product_attention", None)
+        if fn is _ORIGINAL:
+            module.scaled_dot_product_attention = paged_scaled_dot_product_attention
+            rebound += 1
+        elif fn is paged_scaled_dot_product_attention:
+            rebound += 1
+    return rebound
+
+
+def _modules(model: Any) -> list[Any]:
+    inner = getattr(model, "_model", None)  # wrappers (tests' fault injectors) forward
+    target = inner if inner is not None and hasattr(inner, "modules") else model
+    return list(target.modules()) if hasattr(target, "modules") else []

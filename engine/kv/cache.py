@@ -1,0 +1,168 @@
+"""The cache objects mlx-lm's model code sees: one per layer, views onto the KV store.
+
+mlx-lm's attention does, per layer: ``rope(q, offset=cache.offset)``, ``keys, values =
+cache.update_and_fetch(k, v)``, then ``scaled_dot_product_attention(q, keys, values,
+cache=cache, ...)``. These objects keep that contract:
+
+- `PrefillCache` (one request, a chunk of T tokens): writes the chunk into the request's
+  blocks and returns that request's own K/V gathered contiguous in SDPA's [1, H, L, D]
+  layout, so the model's ordinary (fused where available) causal attention runs on it.
+  Only this request's memory moves, one layer at a time.
+- `DecodeCache` (the batch, one token per row): writes each row's token into its own
+  block, returns its inputs untouched, and answers attention itself through the rebound
+  `scaled_dot_product_attention` (`engine.kv.attention`), which reads the pool through
+  the block tables: no batch-sized K/V is ever assembled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import create_attention_mask
+
+from engine.kv.store import Allocation, KVStore, Segment, slots_of
+
+
+class PrefillCache:
+    def __init__(self, segment: Segment, layer: int, offset: int, write: mx.array, read: mx.array) -> None:
+        self.segment = segment
+        self.layer = layer
+        self.offset = offset
+        self._write = write
+        self._read = read
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        k = keys[0].transpose(1, 0, 2)  # [T, H, D]
+        v = values[0].transpose(1, 0, 2)
+        seg, layer = self.segment, self.layer
+        seg.keys[layer][self._write] = k
+        seg.values[layer][self._write] = v
+        self.offset += keys.shape[2]
+        slots, heads, dim = seg.keys[layer].shape
+        return (
+            seg.keys[layer].reshape(slots * heads, dim)[self._read][None],
+            seg.values[layer].reshape(slots * heads, dim)[self._read][None],
+        )
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        return create_attention_mask(
+            n, offset=self.offset, return_array=return_array, window_size=window_size
+        )
+
+
+def prefill_caches(store: KVStore, alloc: Allocation, tokens: int) -> list[PrefillCache]:
+    """Caches for running the request's next `tokens` prompt tokens after `alloc.length`."""
+    start = alloc.length
+    write = slots_of(alloc.table, store.block_size, start + tokens, start=start)
+    heads = store.geometry.num_kv_heads
+    # rows of the pool seen as [slots × H, D], ordered head-major: one gather gives [H, L, D]
+    read = slots_of(alloc.table, store.block_size, start + tokens)[None, :] * heads + mx.arange(
+        heads, dtype=mx.int32
+    )[:, None]
+    return [
+        PrefillCache(alloc.segment, layer, start, write, read)
+        for layer in range(store.geometry.num_layers)
+    ]
+
+
+@dataclass
+class DecodeGroup:
+    """The rows of one decode step that live in one segment."""
+
+    segment: Segment
+    rows: mx.array | None  # row indices into the batch; None = all rows, in order
+    write: mx.array  # [Bg] slot of each row's new token
+    table: mx.array  # [Bg, NB] int32 block tables, zero-padded
+    lengths: mx.array  # [Bg] int32 tokens each row attends to, the new one included
+    max_length: int
+    read: mx.array | None = None  # [Bg, H, L] rows of the pool, built lazily (plain path)
+    mask: mx.array | None = None
+
+    def plain_indices(self, block_size: int, kv_heads: int) -> tuple[mx.array, mx.array]:
+        """Indices into the pool seen as [slots × H, D], so that one gather yields K in
+        SDPA's [B, H, L, D] layout directly (no transposed copy), and the length mask."""
+        if self.read is None:
+            nb = -(-self.max_length // block_size)
+            table = self.table[:, :nb]
+            within = mx.arange(block_size, dtype=mx.int32)
+            slots = (table[:, :, None] * block_size + within[None, None, :]).reshape(table.shape[0], -1)
+            heads = mx.arange(kv_heads, dtype=mx.int32)
+            self.read = slots[:, None, :] * kv_heads + heads[None, :, None]
+            positions = mx.arange(nb * block_size, dtype=mx.int32)
+            self.mask = (positions[None, :] < self.lengths[:, None])[:, None, None, :]
+        assert self.mask is not None
+        return self.read, self.mask
+
+
+@dataclass
+class DecodePlan:
+    """Everything one decode step needs to address the store, built once per step."""
+
+    groups: list[DecodeGroup]
+    offsets: mx.array  # [B] position of each row's new token
+    order: mx.array | None  # undoes the grouping of rows; None when there is one group
+    block_size: int
+
+
+def plan_decode(store: KVStore, allocs: list[Allocation]) -> DecodePlan:
+    bs = store.block_size
+    by_segment: dict[int, list[int]] = {}
+    for i, a in enumerate(allocs):
+        by_segment.setdefault(a.segment.id, []).append(i)
+    single = len(by_segment) == 1
+    groups: list[DecodeGroup] = []
+    for rows in by_segment.values():
+        members = [allocs[i] for i in rows]
+        nb = max(a.capacity for a in members)
+        table = np.zeros((len(members), nb), dtype=np.int32)
+        lengths = np.empty(len(members), dtype=np.int32)
+        write = np.empty(len(members), dtype=np.int32)
+        for j, a in enumerate(members):
+            table[j, : a.capacity] = a.table
+            pos = a.length
+            write[j] = a.table[pos // bs] * bs + pos % bs
+            lengths[j] = pos + 1
+        groups.append(
+            DecodeGroup(
+                segment=members[0].segment,
+                rows=None if single else mx.array(np.asarray(rows, dtype=np.int32)),
+                write=mx.array(write),
+                table=mx.array(table),
+                lengths=mx.array(lengths),
+                max_length=int(lengths.max()),
+            )
+        )
+    order = None
+    if not single:
+        flat = np.concatenate([np.asarray(r) for r in by_segment.values()])
+        order = mx.array(np.argsort(flat).astype(np.int32))
+    offsets = mx.array(np.asarray([a.length for a in allocs], dtype=np.int32))
+    return DecodePlan(groups, offsets, order, bs)
+
+
+class DecodeCache:
+    def __init__(self, plan: DecodePlan, layer: int) -> None:
+        self.plan = plan
+        self.layer = layer
+        self.offset = plan.offsets
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        for g in self.plan.groups:
+            k, v = keys[:, :, 0, :], values[:, :, 0, :]
+            if g.rows is not None:
+                k, v = k[g.rows], v[g.rows]
+            g.segment.keys[self.layer][g.write] = k
+            g.segment.values[self.layer][g.write] = v
+        return keys, values
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> None:
+        if n != 1 or window_size is not None:
+            raise ValueError("the paged decode cache runs one token per row, without windows")
+        return None
+
+
+def decode_caches(plan: DecodePlan, num_layers: int) -> list[DecodeCache]:
+    return [DecodeCache(plan, layer) for layer in range(num_layers)]

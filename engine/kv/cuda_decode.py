@@ -1,0 +1,192 @@
+"""A paged decode-attention kernel for CUDA (`mx.fast.cuda_kernel`), split over the context.
+
+It reads K/V straight from a segment's pool through each row's block table and its own
+length: no gather, no mask, no padding to the longest row. Its plain-MLX twin is
+`engine.kv.attention.plain_decode`, the reference it is tested against on the H200.
+
+Work split: one thread block per (row, KV head, partition of PART tokens); its 4 warps
+take tokens in turn, one token per warp step (each lane holds D/32 elements, so K and V
+rows are read coalesced), and serve all the query heads of that KV head (GQA) at once.
+Each block keeps a running max / sum / weighted V (online softmax), the warps are merged
+in shared memory, and the partitions are merged by a few MLX ops (log-sum-exp weights).
+Tokens per partition come from a small fixed set and reach the kernel as an input, not a
+template constant: lengths that grow and batches that change never recompile it (each
+NVRTC compile costs a second or more in the middle of serving).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+WARPS = 4
+PARTITIONS = (64, 256, 1024, 4096, 16384, 65536, 262144)
+TARGET_BLOCKS = 1056  # ~8 blocks per SM on an H200 (132 SMs)
+
+_SOURCE = r"""
+    constexpr int E = D / 32;
+    const int bh = blockIdx.x;
+    const int b = bh / H;
+    const int h = bh % H;
+    const int p = blockIdx.y;
+    const int P = gridDim.y;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int nb = table_shape[1];
+    const int len = lengths[b];
+    const int PART = part[0];
+    const int start = p * PART;
+    const int end = min(len, start + PART);
+    const float sc = scale[0];
+
+    float qv[REP][E];
+    float m[REP];
+    float l[REP];
+    float acc[REP][E];
+    #pragma unroll
+    for (int r = 0; r < REP; ++r) {
+        const T* qp = q + ((size_t)(b * H * REP + h * REP + r)) * D + lane * E;
+        #pragma unroll
+        for (int e = 0; e < E; ++e) {
+            qv[r][e] = static_cast<float>(qp[e]) * sc;
+            acc[r][e] = 0.f;
+        }
+        m[r] = NEG_INF;
+        l[r] = 0.f;
+    }
+
+    for (int j = start + warp; j < end; j += WARPS) {
+        const int blk = table[b * nb + j / BS];
+        const size_t base = (((size_t)blk * BS + j % BS) * H + h) * D + lane * E;
+        float kv[E];
+        float vv[E];
+        #pragma unroll
+        for (int e = 0; e < E; ++e) {
+            kv[e] = static_cast<float>(k_pool[base + e]);
+            vv[e] = static_cast<float>(v_pool[base + e]);
+        }
+        #pragma unroll
+        for (int r = 0; r < REP; ++r) {
+            float s = 0.f;
+            #pragma unroll
+            for (int e = 0; e < E; ++e) s += qv[r][e] * kv[e];
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+            const float nm = fmaxf(m[r], s);
+            const float corr = __expf(m[r] - nm);
+            const float pr = __expf(s - nm);
+            l[r] = l[r] * corr + pr;
+            #pragma unroll
+            for (int e = 0; e < E; ++e) acc[r][e] = acc[r][e] * corr + pr * vv[e];
+            m[r] = nm;
+        }
+    }
+
+    __shared__ float sm_m[WARPS][REP];
+    __shared__ float sm_l[WARPS][REP];
+    __shared__ float sm_acc[WARPS][REP][D];
+    #pragma unroll
+    for (int r = 0; r < REP; ++r) {
+        if (lane == 0) {
+            sm_m[warp][r] = m[r];
+            sm_l[warp][r] = l[r];
+        }
+        #pragma unroll
+        for (int e = 0; e < E; ++e) sm_acc[warp][r][lane * E + e] = acc[r][e];
+    }
+    __syncthreads();
+
+    for (int idx = threadIdx.x; idx < REP * D; idx += blockDim.x) {
+        const int r = idx / D;
+        const int d = idx % D;
+        float mm = NEG_INF;
+        #pragma unroll
+        for (int w = 0; w < WARPS; ++w) mm = fmaxf(mm, sm_m[w][r]);
+        float ll = 0.f;
+        float a = 0.f;
+        if (mm > NEG_INF) {
+            #pragma unroll
+            for (int w = 0; w < WARPS; ++w) {
+                const float wt = __expf(sm_m[w][r] - mm);
+                ll += sm_l[w][r] * wt;
+                a += sm_acc[w][r][d] * wt;
+            }
+        }
+        const size_t row = (size_t)(b * H * REP + h * REP + r) * P + p;
+        out[row * D + d] = a;
+        if (d == 0) {
+            out_m[row] = mm;
+            out_l[row] = ll;
+        }
+    }
+"""
+
+_HEADER = "#define NEG_INF (-__int_as_float(0x7f800000))\n"
+
+_kernel: Any = None
+_scales: dict[float, mx.array] = {}
+_parts: dict[int, mx.array] = {}
+
+
+def _get_kernel() -> Any:
+    global _kernel
+    if _kernel is None:
+        _kernel = mx.fast.cuda_kernel(
+            name="headroom_paged_decode",
+            input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale", "part"],
+            output_names=["out", "out_m", "out_l"],
+            source=_SOURCE,
+            header=_HEADER,
+        )
+    return _kernel
+
+
+def partition_tokens(batch: int, kv_heads: int, max_length: int) -> int:
+    """The smallest partition that keeps the grid near TARGET_BLOCKS blocks."""
+    for part in PARTITIONS:
+        if part >= max_length or batch * kv_heads * -(-max_length // part) <= TARGET_BLOCKS:
+            return part
+    return PARTITIONS[-1]
+
+
+def paged_decode(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    table: mx.array,
+    lengths: mx.array,
+    max_length: int,
+    scale: float,
+    block_size: int,
+) -> mx.array:
+    """q [B, Hq, 1, D]; pools [slots, H, D]; table [B, NB] int32; lengths [B] int32."""
+    b, hq, _, d = q.shape
+    h = k_pool.shape[1]
+    if d % 32 or hq % h:
+        raise ValueError(f"paged kernel needs head_dim % 32 == 0 and GQA groups (got {d}, {hq}/{h})")
+    rep = hq // h
+    part = partition_tokens(b, h, max_length)
+    parts = -(-max_length // part)
+    sc = _scales.get(scale)
+    if sc is None:
+        sc = _scales[scale] = mx.array([scale], dtype=mx.float32)
+    pt = _parts.get(part)
+    if pt is None:
+        pt = _parts[part] = mx.array([part], dtype=mx.int32)
+    out, m, l_sum = _get_kernel()(
+        inputs=[q.reshape(b, hq, d), k_pool, v_pool, table, lengths, sc, pt],
+        template=[("T", q.dtype), ("D", d), ("H", h), ("REP", rep), ("BS", block_size),
+                  ("WARPS", WARPS)],
+        grid=(32 * WARPS * b * h, parts, 1),
+        threadgroup=(32 * WARPS, 1, 1),
+        output_shapes=[(b, hq, parts, d), (b, hq, parts), (b, hq, parts)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32],
+    )
+    if parts == 1:
+        res = out[:, :, 0, :] / l_sum
+    else:
+        top = mx.max(m, axis=-1, keepdims=True)
+        w = mx.exp(m - top)
+        res = (out * w[..., None]).sum(axis=2) / (l_sum * w).sum(axis=-1, keepdims=True)
+    return res.astype(q.dtype)[:, :, None, :]

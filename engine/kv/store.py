@@ -1,0 +1,296 @@
+"""The KV store: paged blocks in segments, allocated per request, never copied per batch.
+
+Layout. Each *segment* holds, for every layer, one keys and one values array of shape
+``[blocks × block_size, kv_heads, head_dim]`` (vLLM's ``[num_blocks, block_size, heads,
+dim]``, flattened to token slots). A request's *block table* lists the blocks it owns;
+token ``j`` of the request lives in slot ``table[j // block_size] * block_size + j %
+block_size``. All of one request's blocks sit in one segment, so one gather (or one
+kernel launch) per segment serves every row that lives there.
+
+Life of a request. Admission reserves ``ceil((prompt + max_tokens) / block_size)``
+blocks, in the first segment with that many free, else in a new segment. The blocks stay
+put until the request ends: prefill chunks and decode tokens are written into them by
+slice updates that MLX performs in place (the segment arrays are referenced only here, so
+their buffers are donated), a join or a leave touches no other request's memory, and
+growth never reallocates. An empty segment is dropped; segments have a fixed default size,
+so MLX's buffer cache hands the same buffer back to the next one.
+
+Prefix sharing. A prefix-cache entry holds references on the blocks of its prefix. A
+request that hits it references the same full blocks (no copy), copies the few tokens of a
+partly filled last block into its own first block (copy-on-write of at most one block),
+and allocates the rest in the same segment; only when that segment is full is the prefix
+copied once into a new one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from engine.kv.blocks import BlockAllocator
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_SEGMENT_BYTES = 2 << 30
+MAX_SEGMENT_TOKENS = 16384
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: mx.Dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.size
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    """The blocks of a cached prefix, in one segment: `tokens` tokens, the last block
+    possibly only partly theirs."""
+
+    segment_id: int
+    blocks: tuple[int, ...]
+    tokens: int
+
+
+@dataclass(frozen=True)
+class KVStoreStats:
+    reserved_bytes: int  # blocks held by running/prefilling requests
+    used_bytes: int  # tokens those requests have written so far
+    pool_bytes: int  # all segments, free blocks included
+    request_bytes: int  # segments that hold requests, less their prefix-cache-only blocks
+    bytes_per_token: int
+    block_size: int
+    segments: int
+    requests: int
+
+
+class Segment:
+    def __init__(self, segment_id: int, num_blocks: int, block_size: int, geo: KVGeometry) -> None:
+        self.id = segment_id
+        self.blocks = BlockAllocator(num_blocks)
+        slots = num_blocks * block_size
+        shape = (slots, geo.num_kv_heads, geo.head_dim)
+        self.keys: list[mx.array] = [mx.zeros(shape, geo.dtype) for _ in range(geo.num_layers)]
+        self.values: list[mx.array] = [mx.zeros(shape, geo.dtype) for _ in range(geo.num_layers)]
+        mx.eval(self.keys, self.values)
+        self.nbytes = sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+
+    def arrays(self) -> list[mx.array]:
+        return [*self.keys, *self.values]
+
+
+@dataclass
+class Allocation:
+    """One request's place in the store."""
+
+    request_id: str
+    segment: Segment
+    table: list[int]  # block ids, shared prefix blocks first
+    length: int = 0  # tokens written
+    shared: int = 0  # leading blocks shared with the prefix cache
+    table_array: mx.array | None = field(default=None, repr=False)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.table)
+
+
+class KVStore:
+    def __init__(
+        self,
+        geometry: KVGeometry,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        segment_tokens: int | None = None,
+    ) -> None:
+        self.geometry = geometry
+        self.block_size = block_size
+        if segment_tokens is None:
+            segment_tokens = min(MAX_SEGMENT_TOKENS, DEFAULT_SEGMENT_BYTES // geometry.bytes_per_token)
+        self.segment_blocks = max(1, segment_tokens // block_size)
+        self.block_bytes = block_size * geometry.bytes_per_token
+        self.segments: dict[int, Segment] = {}
+        self.requests: dict[str, Allocation] = {}
+
+    # ---- sizes -----------------------------------------------------------------------
+    def blocks_for(self, tokens: int) -> int:
+        return -(-max(tokens, 1) // self.block_size)
+
+    def reservation_bytes(self, tokens: int) -> int:
+        """What a request of `tokens` (prompt + max_tokens) reserves: whole blocks."""
+        return self.blocks_for(tokens) * self.block_bytes
+
+    def growth_bytes(self, tokens: int, shared: SharedPrefix | None = None, *, exact: bool = False) -> int:
+        """Bytes the device must newly give for `reserve(tokens, shared, exact=exact)`:
+        zero when a segment has the free blocks, else a new segment."""
+        need = self.blocks_for(tokens)
+        if shared is not None:
+            seg = self.segments.get(shared.segment_id)
+            if seg is not None and seg.blocks.free >= need - shared.tokens // self.block_size:
+                return 0
+        if self._segment_with(need) is not None:
+            return 0
+        return self._new_segment_blocks(need, exact) * self.block_bytes
+
+    # ---- requests --------------------------------------------------------------------
+    def reserve(
+        self, request_id: str, tokens: int, shared: SharedPrefix | None = None, *, exact: bool = False
+    ) -> Allocation:
+        """Give `request_id` room for `tokens` tokens, sharing `shared`'s blocks if it can."""
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id} already holds KV")
+        need = self.blocks_for(tokens)
+        alloc: Allocation | None = None
+        if shared is not None and shared.blocks:
+            seg = self.segments.get(shared.segment_id)
+            full = shared.tokens // self.block_size
+            own = seg.blocks.allocate(need - full) if seg is not None else None
+            if seg is not None and own is not None:
+                seg.blocks.share(list(shared.blocks[:full]))
+                alloc = Allocation(request_id, seg, [*shared.blocks[:full], *own], shared=full)
+                self._copy_prefix(shared, alloc, start=full * self.block_size)
+        if alloc is None:
+            seg = self._segment_with(need) or self._add_segment(self._new_segment_blocks(need, exact))
+            table = seg.blocks.allocate(need)
+            assert table is not None
+            alloc = Allocation(request_id, seg, table)
+            if shared is not None and shared.blocks:
+                self._copy_prefix(shared, alloc)
+        alloc.table_array = mx.array(alloc.table, dtype=mx.int32)
+        self.requests[request_id] = alloc
+        return alloc
+
+    def release(self, request_id: str) -> None:
+        alloc = self.requests.pop(request_id, None)
+        if alloc is None:
+            return
+        alloc.segment.blocks.release(alloc.table)
+        self._drop_if_empty(alloc.segment)
+
+    def get(self, request_id: str) -> Allocation:
+        return self.requests[request_id]
+
+    def advance(self, request_id: str, tokens: int) -> None:
+        alloc = self.requests[request_id]
+        alloc.length += tokens
+        if alloc.length > alloc.capacity * self.block_size:
+            raise RuntimeError(f"request {request_id} outgrew its reservation")
+
+    # ---- the prefix cache's holds ----------------------------------------------------
+    def hold_prefix(self, request_id: str, tokens: int) -> SharedPrefix | None:
+        """Take a reference on the blocks holding the request's first `tokens` tokens."""
+        alloc = self.requests[request_id]
+        tokens = min(tokens, alloc.length)
+        if tokens <= 0:
+            return None
+        blocks = alloc.table[: self.blocks_for(tokens)]
+        alloc.segment.blocks.share(blocks)
+        return SharedPrefix(alloc.segment.id, tuple(blocks), tokens)
+
+    def drop_prefix(self, prefix: SharedPrefix) -> None:
+        seg = self.segments.get(prefix.segment_id)
+        if seg is None:
+            return
+        seg.blocks.release(list(prefix.blocks))
+        self._drop_if_empty(seg)
+
+    # ---- accounting ------------------------------------------------------------------
+    def reserved_bytes(self) -> int:
+        return sum(a.capacity for a in self.requests.values()) * self.block_bytes
+
+    def pool_bytes(self) -> int:
+        return sum(s.nbytes for s in self.segments.values())
+
+    def request_bytes(self) -> int:
+        """Device memory held on behalf of requests: every segment a request lives in,
+        free blocks included (they exist because of it), less the blocks only the prefix
+        cache holds. With no request admitted it is zero."""
+        per_seg: dict[int, set[int]] = {}
+        for a in self.requests.values():
+            per_seg.setdefault(a.segment.id, set()).update(a.table)
+        total = 0
+        for seg_id, blocks in per_seg.items():
+            seg = self.segments[seg_id]
+            prefix_only = seg.blocks.used - len(blocks)
+            total += seg.nbytes - prefix_only * self.block_bytes
+        return total
+
+    def freeable_bytes(self, prefixes: list[SharedPrefix]) -> int:
+        """Device memory that dropping these prefix holds would return: the segments
+        they would leave empty. Blocks freed inside a live segment only make room there."""
+        drops: dict[int, dict[int, int]] = {}
+        for p in prefixes:
+            counts = drops.setdefault(p.segment_id, {})
+            for b in p.blocks:
+                counts[b] = counts.get(b, 0) + 1
+        total = 0
+        for seg_id, counts in drops.items():
+            seg = self.segments.get(seg_id)
+            if seg is None:
+                continue
+            if sum(1 for b, n in counts.items() if seg.blocks.refs(b) == n) == seg.blocks.used:
+                total += seg.nbytes
+        return total
+
+    def stats(self) -> KVStoreStats:
+        reserved = self.reserved_bytes()
+        used = sum(a.length for a in self.requests.values()) * self.geometry.bytes_per_token
+        pool = sum(s.nbytes for s in self.segments.values())
+        return KVStoreStats(
+            reserved_bytes=reserved,
+            used_bytes=used,
+            pool_bytes=pool,
+            request_bytes=self.request_bytes(),
+            bytes_per_token=self.geometry.bytes_per_token,
+            block_size=self.block_size,
+            segments=len(self.segments),
+            requests=len(self.requests),
+        )
+
+    # ---- internals -------------------------------------------------------------------
+    def _segment_with(self, need: int) -> Segment | None:
+        for seg in sorted(self.segments.values(), key=lambda s: s.id):
+            if seg.blocks.free >= need:
+                return seg
+        return None
+
+    def _new_segment_blocks(self, need: int, exact: bool) -> int:
+        return need if exact else max(need, self.segment_blocks)
+
+    def _add_segment(self, blocks: int) -> Segment:
+        seg_id = next(i for i in range(len(self.segments) + 1) if i not in self.segments)
+        seg = Segment(seg_id, blocks, self.block_size, self.geometry)
+        self.segments[seg_id] = seg
+        return seg
+
+    def _drop_if_empty(self, seg: Segment) -> None:
+        if seg.blocks.used == 0 and self.segments.get(seg.id) is seg:
+            del self.segments[seg.id]
+
+    def _copy_prefix(self, shared: SharedPrefix, alloc: Allocation, start: int = 0) -> None:
+        """Copy prefix tokens [start, shared.tokens) into the request's own blocks: the
+        partly filled last block of a hit, or the whole prefix when its segment is full."""
+        alloc.length = shared.tokens
+        if start >= shared.tokens:
+            return
+        src_seg = self.segments[shared.segment_id]
+        src = slots_of(list(shared.blocks), self.block_size, shared.tokens, start=start)
+        dst = slots_of(alloc.table, self.block_size, shared.tokens, start=start)
+        dst_seg = alloc.segment
+        for layer in range(self.geometry.num_layers):
+            dst_seg.keys[layer][dst] = src_seg.keys[layer][src]
+            dst_seg.values[layer][dst] = src_seg.values[layer][src]
+        mx.eval(dst_seg.arrays())
+
+
+def slots_of(table: list[int], block_size: int, tokens: int, start: int = 0) -> mx.array:
+    """Pool slots of token positions [start, tokens) of a request with block table `table`."""
+    pos = np.arange(start, tokens)
+    t = np.asarray(table, dtype=np.int64)
+    return mx.array((t[pos // block_size] * block_size + pos % block_size).astype(np.int32))

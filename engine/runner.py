@@ -1,0 +1,161 @@
+"""The model calls themselves: a prefill chunk for one request, a decode step for the batch.
+
+KV lives in the engine's `KVStore`; the runner only names which request's blocks a call
+reads and writes. A request joins the batch with no model call of its own: its last
+prompt token is simply its input in the next decode step, whose sample is its first
+output token. Sampling stays one call of `BatchSampler` on the step's [B, vocab] logits
+with per-row parameters.
+
+Pipelining. Step n+1's graph is built while step n runs on the device. By default it is
+queued (`mx.async_eval`) only once step n's tokens are back: MLX decides at queue time
+whether a slice update may write in place, and a buffer that in-flight work still
+references is copied instead, so queueing the writes of step n+1 while step n still
+reads the pool would copy the pool's layer arrays every step (measured on the CPU: 5x
+slower). `overlap=True` queues first (mlx-lm's order); `bench/kv_store.py` measures both,
+and the engine picks per backend (`EngineConfig.decode_overlap`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from engine.kv import KVStore, decode_caches, plan_decode, prefill_caches
+from engine.request import TokenLogprob
+from engine.sampling import BatchSampler, SampledStep
+from engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class StepToken:
+    seq: Sequence
+    token: int
+    logprob: TokenLogprob | None
+
+
+class Runner:
+    def __init__(self, model: Any, store: KVStore, *, overlap: bool = False) -> None:
+        self.model = model
+        self.store = store
+        self.overlap = overlap
+        self.seqs: list[Sequence] = []  # the batch; rows [0, len(pending)) have a token in flight
+        self.pending: SampledStep | None = None
+        self.fresh: list[int] = []  # last prompt token of each row that joined since the last step
+        self.sampler = BatchSampler([])
+        self.max_batch_seen = 0
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    # ---- prefill ---------------------------------------------------------------------
+    def prefill_chunk(self, seq: Sequence, tokens: int) -> None:
+        """Run prompt tokens [processed, processed + tokens) into the request's own blocks."""
+        alloc = self.store.get(seq.request_id)
+        start = alloc.length
+        chunk = mx.array(seq.request.prompt_tokens[start : start + tokens])[None]
+        self.model(chunk, cache=prefill_caches(self.store, alloc, tokens))
+        # The chunk writes into a segment the queued decode step may still read: let that
+        # step finish first, or MLX would copy the segment's arrays instead of writing.
+        if self.pending is not None:
+            mx.eval(*self.pending.arrays())
+        mx.eval(alloc.segment.arrays())
+        self.store.advance(seq.request_id, tokens)
+
+    # ---- the batch -------------------------------------------------------------------
+    def join(self, seq: Sequence) -> None:
+        self.seqs.append(seq)
+        self.fresh.append(seq.request.prompt_tokens[-1])
+        self.sampler = BatchSampler([s.request.sampling for s in self.seqs])
+        self.max_batch_seen = max(self.max_batch_seen, len(self.seqs))
+
+    def step(self) -> list[StepToken]:
+        """Queue this step's forward and sampling, then read back the previous step's tokens."""
+        if not self.seqs:
+            return []
+        current = self.pending
+        n_current = 0 if current is None else current.tokens.shape[0]
+        inputs = self._inputs(current)
+        plan = plan_decode(self.store, [self.store.get(s.request_id) for s in self.seqs])
+        caches = decode_caches(plan, self.store.geometry.num_layers)
+        logits = self.model(inputs[:, None], cache=caches)[:, -1, :]
+        steps = [s.generated + (1 if i < n_current else 0) for i, s in enumerate(self.seqs)]
+        for s in self.seqs:
+            self.store.advance(s.request_id, 1)
+        self.fresh = []
+        if current is not None and self.sampler.needs_feedback:
+            # A constrained or penalised row needs this step's tokens before the next
+            # mask: queue the forward pass, read the tokens while it runs, then sample.
+            mx.async_eval(logits)
+            tokens = current.tokens.tolist()
+            self.sampler.accept(tokens)
+            self.pending = self.sampler.sample(logits, steps)
+            mx.async_eval(*self.pending.arrays())
+        else:
+            self.pending = self.sampler.sample(logits, steps)
+            if current is None or self.overlap:
+                mx.async_eval(*self.pending.arrays())
+            if current is None:
+                return []
+            tokens = current.tokens.tolist()
+            if not self.overlap:
+                mx.async_eval(*self.pending.arrays())
+        emitting = self.seqs[:n_current]
+        logprobs = _read_logprobs(current, emitting)
+        return [
+            StepToken(seq, tok, logprobs[i] if logprobs else None)
+            for i, (seq, tok) in enumerate(zip(emitting, tokens, strict=True))
+        ]
+
+    def _inputs(self, current: SampledStep | None) -> mx.array:
+        fresh = mx.array(self.fresh, dtype=mx.uint32) if self.fresh else None
+        if current is None:
+            assert fresh is not None
+            return fresh
+        return current.tokens if fresh is None else mx.concatenate([current.tokens, fresh])
+
+    def remove(self, leaving: Seq[Sequence]) -> None:
+        """Rows leave; only the small per-row token arrays are compacted, never KV."""
+        if not leaving:
+            return
+        gone = {id(s) for s in leaving}
+        n_current = 0 if self.pending is None else self.pending.tokens.shape[0]
+        keep = [i for i, s in enumerate(self.seqs) if id(s) not in gone]
+        keep_pending = [i for i in keep if i < n_current]
+        self.fresh = [self.fresh[i - n_current] for i in keep if i >= n_current]
+        self.seqs = [self.seqs[i] for i in keep]
+        if self.pending is not None:
+            if not keep_pending:
+                self.pending = None
+            elif len(keep_pending) < n_current:
+                idx = mx.array(keep_pending)
+                p = self.pending
+                self.pending = SampledStep(
+                    p.tokens[idx],
+                    None if p.logprobs is None else p.logprobs[idx],
+                    None if p.top_ids is None else p.top_ids[idx],
+                    None if p.top_logprobs is None else p.top_logprobs[idx],
+                )
+        self.sampler = BatchSampler([s.request.sampling for s in self.seqs])
+
+
+def _read_logprobs(step: SampledStep, seqs: list[Sequence]) -> list[TokenLogprob | None]:
+    if step.logprobs is None:
+        return []
+    tokens = step.tokens.tolist()
+    chosen = step.logprobs.tolist()
+    top_ids = step.top_ids.tolist() if step.top_ids is not None else None
+    top_lp = step.top_logprobs.tolist() if step.top_logprobs is not None else None
+    out: list[TokenLogprob | None] = []
+    for i, seq in enumerate(seqs):
+        sp = seq.request.sampling
+        if not sp.logprobs:
+            out.append(None)
+            continue
+        top: tuple[tuple[int, float], ...] = ()
+        if top_ids is not None and top_lp is not None and sp.top_logprobs > 0:
+            top = tuple(zip(top_ids[i][: sp.top_logprobs], top_lp[i][: sp.top_logprobs], strict=True))
+        out.append(TokenLogprob(tokens[i], chosen[i], top))
+    return out
