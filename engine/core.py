@@ -48,6 +48,8 @@ class EngineConfig:
     kv_block_size: int = 16
     kv_segment_tokens: int | None = None  # None: sized from the model (engine.kv.store)
     decode_overlap: bool | None = None  # None: on for CUDA (measured safe), off elsewhere (engine.runner)
+    max_step_tokens: int | None = None  # tokens per step, decode rows included (None: prefill_step_size)
+    prefill_batch: int = 8  # most prompts' chunks in one prefill model call (1: one per call)
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class EngineStats:
     steps: int = 0
     decode_steps: int = 0
     prefill_chunks: int = 0
+    prefill_calls: int = 0  # model calls that ran those chunks (several chunks per call)
     max_batch: int = 0
     batched_steps: int = 0
     generated_tokens: int = 0
@@ -130,18 +133,19 @@ class EngineCore:
         overlap = config.decode_overlap
         if overlap is None:
             overlap = loaded.backend == "cuda"
-        self.batch = Runner(self.model, self.store, overlap=overlap)
+        self.batch = Runner(self.model, self.store, overlap=overlap, prefill_batch=config.prefill_batch)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
         self.inbox: queue.SimpleQueue[_Submit | _Abort | _Call | None] = queue.SimpleQueue()
         self.stats = EngineStats()
         self._counters = dict(
-            steps=0, decode_steps=0, prefill_chunks=0, batched_steps=0,
+            steps=0, decode_steps=0, prefill_chunks=0, prefill_calls=0, batched_steps=0,
             generated_tokens=0, prompt_tokens=0, preemptions=0, oom_recoveries=0,
         )
         self._stop = False
         self._outputs: list[RequestOutput] = []
         self._prefilling_now: Sequence | None = None
+        self._prefilling_batch: list[Sequence] = []  # the chunks of the prefill call in flight
         self._publish_stats()  # the idle engine's numbers (peak, cache limit) before any step
 
     # ---- called from other threads ------------------------------------------------
@@ -185,7 +189,8 @@ class EngineCore:
             self._refuse_unprobed(victim, exc)
         except RuntimeError as exc:
             victim, self._prefilling_now = self._prefilling_now, None
-            self._recover_from_device_oom(exc, [victim] if victim else [])
+            victims, self._prefilling_batch = self._prefilling_batch, []
+            self._recover_from_device_oom(exc, victims or ([victim] if victim else []))
         try:
             self._decode()
         except RuntimeError as exc:
@@ -341,30 +346,49 @@ class EngineCore:
 
     # ---- prefill ---------------------------------------------------------------------
     def _prefill(self) -> None:
-        """Run up to `prefill_step_size` prompt tokens this step, first come first served:
-        several short prompts share a step, a long one takes it all, in chunks."""
-        budget = self.config.prefill_step_size
-        while self.prefilling and budget > 0:
-            seq = self._prefilling_now = self.prefilling[0]
-            if seq.remaining_prefill > 0:
-                plan = self.admission.plan_chunk(
-                    seq, self._admitted(), self._allocated_kv(),
-                    self.prefix_cache.evictable_bytes(self._protected()),
-                    max_tokens=budget,
-                )
-                if not self._act_on(seq, plan.decision, time.monotonic()):
-                    if seq not in self.prefilling:
-                        continue  # refused: the next one may fit
-                    if (not len(self.batch) and plan.decision.code == CODE_WAITING
-                            and self._preempt_youngest_prefill(seq)):
-                        continue  # memory was handed back: ask again (not for an unreadable probe)
-                    return  # it waits, and so does everyone behind it
-                seq.wait_since = None
-                self._run_chunk(seq, plan.tokens)
-                budget -= plan.tokens
+        """This step's prefill: chunks of the prefilling prompts, first come first served,
+        under the step's token budget, run together (several prompts per model call).
+
+        The budget is `max_step_tokens` (default: `prefill_step_size`) less one token per
+        decoding row, as vLLM's scheduler counts it, but never below the smallest chunk:
+        waiting prompts always move. Admission asks before every chunk, for the step's
+        batch so far plus this chunk; a chunk that must wait stops the gathering (and
+        everyone behind it waits), but what was gathered still runs.
+        """
+        step_tokens = self.config.max_step_tokens or self.config.prefill_step_size
+        budget = max(step_tokens - len(self.batch), self.config.min_chunk_tokens)
+        planned: list[tuple[Sequence, int]] = []
+        batch_bytes = 0
+        i = 0
+        while i < len(self.prefilling) and budget > 0:
+            seq = self._prefilling_now = self.prefilling[i]
             if seq.remaining_prefill == 0:
-                self._join_batch(seq)
+                i += 1  # a prefix hit covered it: it joins below
+                continue
+            plan = self.admission.plan_chunk(
+                seq, self._admitted(), self._allocated_kv(),
+                self.prefix_cache.evictable_bytes(self._protected()),
+                max_tokens=budget, batch=planned,
+            )
+            if not self._act_on(seq, plan.decision, time.monotonic()):
+                if seq not in self.prefilling:
+                    continue  # refused: the next one may fit
+                if (not planned and not len(self.batch) and plan.decision.code == CODE_WAITING
+                        and self._preempt_youngest_prefill(seq)):
+                    continue  # memory was handed back: ask again (not for an unreadable probe)
+                break  # it waits, and so does everyone behind it
+            seq.wait_since = None
+            planned.append((seq, plan.tokens))
+            batch_bytes = plan.predicted_bytes
+            budget -= plan.tokens
+            i += 1
         self._prefilling_now = None
+        if planned:
+            self._prefilling_batch = [s for s, _ in planned]
+            self._run_chunks(planned, batch_bytes)
+            self._prefilling_batch = []
+        for seq in [s for s in self.prefilling if s.remaining_prefill == 0]:
+            self._join_batch(seq)
 
     def _preempt_youngest_prefill(self, head: Sequence) -> bool:
         """Break a wait that nothing would end: the head of the prefill queue waits for
@@ -387,15 +411,18 @@ class EngineCore:
         log.info("preempted request %s to let %s prefill", seq.request_id, head.request_id)
         return True
 
-    def _run_chunk(self, seq: Sequence, tokens: int) -> None:
-        predicted = self.admission.chunk_prediction(seq, tokens)  # before the tracker learns
+    def _run_chunks(self, chunks: list[tuple[Sequence, int]], predicted: int) -> None:
+        """Run the step's chunks, several prompts per model call, and let the tracker
+        learn what the step's batch took against what was predicted for it."""
+        tokens = sum(n for _, n in chunks)
         active_before = mx.get_active_memory()
         self.admission.reset_peak()
-        self.batch.prefill_chunk(seq, tokens)
+        self._counters["prefill_calls"] += self.batch.prefill(chunks)
         self.admission.observe_chunk(tokens, max(mx.get_peak_memory() - active_before, 0), predicted)
         # No clear_cache here: the guard has memory handed back when admission needs room.
-        seq.processed += tokens
-        self._counters["prefill_chunks"] += 1
+        for seq, n in chunks:
+            seq.processed += n
+        self._counters["prefill_chunks"] += len(chunks)
         self._counters["prompt_tokens"] += tokens
 
     def _join_batch(self, seq: Sequence) -> None:
@@ -549,6 +576,7 @@ class EngineCore:
             steps=c["steps"],
             decode_steps=c["decode_steps"],
             prefill_chunks=c["prefill_chunks"],
+            prefill_calls=c["prefill_calls"],
             max_batch=self.batch.max_batch_seen,
             batched_steps=c["batched_steps"],
             generated_tokens=c["generated_tokens"],

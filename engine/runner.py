@@ -24,6 +24,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.kv import KVStore, decode_caches, plan_decode, prefill_caches
+from engine.kv.prefill import PrefillRow, batch_prefill_caches, group_by_segment, plan_prefill
 from engine.request import TokenLogprob
 from engine.sampling import BatchSampler, SampledStep
 from engine.sequence import Sequence
@@ -37,10 +38,13 @@ class StepToken:
 
 
 class Runner:
-    def __init__(self, model: Any, store: KVStore, *, overlap: bool = False) -> None:
+    def __init__(
+        self, model: Any, store: KVStore, *, overlap: bool = False, prefill_batch: int = 8,
+    ) -> None:
         self.model = model
         self.store = store
         self.overlap = overlap
+        self.prefill_batch = max(prefill_batch, 1)  # most chunks in one prefill call
         self.seqs: list[Sequence] = []  # the batch; rows [0, len(pending)) have a token in flight
         self.pending: SampledStep | None = None
         self.fresh: list[int] = []  # last prompt token of each row that joined since the last step
@@ -53,16 +57,40 @@ class Runner:
     # ---- prefill ---------------------------------------------------------------------
     def prefill_chunk(self, seq: Sequence, tokens: int) -> None:
         """Run prompt tokens [processed, processed + tokens) into the request's own blocks."""
-        alloc = self.store.get(seq.request_id)
-        start = alloc.length
-        chunk = mx.array(seq.request.prompt_tokens[start : start + tokens])[None]
-        self.model(chunk, cache=prefill_caches(self.store, alloc, tokens))
-        # The chunk writes into a segment the queued decode step may still read: let that
-        # step finish first, or MLX would copy the segment's arrays instead of writing.
-        if self.pending is not None:
-            mx.eval(*self.pending.arrays())
-        mx.eval(alloc.segment.arrays())
-        self.store.advance(seq.request_id, tokens)
+        self.prefill([(seq, tokens)])
+
+    def prefill(self, chunks: Seq[tuple[Sequence, int]]) -> int:
+        """Run each request's next `tokens` prompt tokens, several requests per model call.
+
+        Chunks living in one segment share a call (`engine.kv.prefill`), up to
+        `prefill_batch` of them; a lone chunk keeps the single-request path (no padding,
+        the "causal" mask). Returns the number of model calls made.
+        """
+        rows = []
+        for seq, tokens in chunks:
+            alloc = self.store.get(seq.request_id)
+            start = alloc.length
+            rows.append(PrefillRow(alloc, tuple(seq.request.prompt_tokens[start : start + tokens])))
+        layers = self.store.geometry.num_layers
+        calls = 0
+        for group in group_by_segment(rows) if self.prefill_batch > 1 else [[r] for r in rows]:
+            for part in _batches(group, self.prefill_batch):
+                if len(part) == 1:
+                    r = part[0]
+                    chunk = mx.array(r.tokens)[None]
+                    self.model(chunk, cache=prefill_caches(self.store, r.alloc, len(r.tokens)))
+                else:
+                    plan = plan_prefill(self.store, part)
+                    self.model(plan.inputs, cache=batch_prefill_caches(plan, layers))
+                calls += 1
+                # The chunk writes into a segment the queued decode step may still read:
+                # let that step finish first, or MLX would copy the segment's arrays.
+                if self.pending is not None:
+                    mx.eval(*self.pending.arrays())
+                mx.eval(part[0].alloc.segment.arrays())
+        for seq, tokens in chunks:
+            self.store.advance(seq.request_id, tokens)
+        return calls
 
     # ---- the batch -------------------------------------------------------------------
     def join(self, seq: Sequence) -> None:
@@ -139,6 +167,10 @@ class Runner:
                     None if p.top_logprobs is None else p.top_logprobs[idx],
                 )
         self.sampler = BatchSampler([s.request.sampling for s in self.seqs])
+
+
+def _batches(rows: list[PrefillRow], size: int) -> list[list[PrefillRow]]:
+    return [rows[i : i + size] for i in range(0, len(rows), size)]
 
 
 def _read_logprobs(step: SampledStep, seqs: list[Sequence]) -> list[TokenLogprob | None]:
