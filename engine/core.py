@@ -80,6 +80,13 @@ class EngineStats:
     oom_recoveries: int = 0
     admission_checks: int = 0
     admission_s: float = 0.0
+    # Where the engine thread's time goes (bench/run.py reports it per step): busy = inside
+    # step(); of that, waiting for the device to finish decode steps and prefill calls;
+    # cpu = the thread's own CPU time (host work: graph building, bookkeeping, the GIL).
+    busy_s: float = 0.0
+    decode_wait_s: float = 0.0
+    prefill_wait_s: float = 0.0
+    engine_cpu_s: float = 0.0
     recent_chunks: tuple[ChunkSample, ...] = ()  # oldest first: prediction against measurement
     peak_bytes: int = 0  # MLX's peak active memory since start
     cache_limit_bytes: int = 0  # MLX's cache limit, as read back from MLX
@@ -146,6 +153,8 @@ class EngineCore:
         self._outputs: list[RequestOutput] = []
         self._prefilling_now: Sequence | None = None
         self._prefilling_batch: list[Sequence] = []  # the chunks of the prefill call in flight
+        self._busy_s = 0.0  # wall time inside step()
+        self._cpu_s = 0.0  # the engine thread's CPU time inside step()
         self._publish_stats()  # the idle engine's numbers (peak, cache limit) before any step
 
     # ---- called from other threads ------------------------------------------------
@@ -177,6 +186,7 @@ class EngineCore:
 
     def step(self) -> bool:
         """One engine step; False when it could do nothing (everything waits)."""
+        started, cpu_started = time.perf_counter(), time.thread_time()
         chunks_before = self._counters["prefill_chunks"]
         try:
             self._schedule_waiting()
@@ -200,6 +210,8 @@ class EngineCore:
         progressed = bool(self._outputs or len(self.batch))
         if progressed or self._counters["prefill_chunks"] != chunks_before:
             self._counters["steps"] += 1  # steps that did work: an idle wake-up is not one
+        self._busy_s += time.perf_counter() - started
+        self._cpu_s += time.thread_time() - cpu_started
         self._publish_stats()
         if self._outputs:
             outputs, self._outputs = self._outputs, []
@@ -585,6 +597,10 @@ class EngineCore:
             oom_recoveries=c["oom_recoveries"],
             admission_checks=self.admission.checks,
             admission_s=round(self.admission.check_seconds, 6),
+            busy_s=round(self._busy_s, 6),
+            decode_wait_s=round(self.batch.decode_wait_s, 6),
+            prefill_wait_s=round(self.batch.prefill_wait_s, 6),
+            engine_cpu_s=round(self._cpu_s, 6),
             recent_chunks=self.admission.recent_chunks(),
             peak_bytes=self.admission.lifetime_peak_bytes(),
             cache_limit_bytes=self.admission.cache_limit_bytes,

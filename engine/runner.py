@@ -17,6 +17,7 @@ and the engine picks per backend (`EngineConfig.decode_overlap`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,10 @@ class Runner:
         self.fresh: list[int] = []  # last prompt token of each row that joined since the last step
         self.sampler = BatchSampler([])
         self.max_batch_seen = 0
+        # Seconds the engine thread sat waiting for the device (reading a step's tokens,
+        # evaluating a prefill call): the rest of its busy time is host work.
+        self.decode_wait_s = 0.0
+        self.prefill_wait_s = 0.0
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -85,9 +90,11 @@ class Runner:
                 calls += 1
                 # The chunk writes into a segment the queued decode step may still read:
                 # let that step finish first, or MLX would copy the segment's arrays.
+                started = time.perf_counter()
                 if self.pending is not None:
                     mx.eval(*self.pending.arrays())
                 mx.eval(part[0].alloc.segment.arrays())
+                self.prefill_wait_s += time.perf_counter() - started
         for seq, tokens in chunks:
             self.store.advance(seq.request_id, tokens)
         return calls
@@ -117,7 +124,9 @@ class Runner:
             # A constrained or penalised row needs this step's tokens before the next
             # mask: queue the forward pass, read the tokens while it runs, then sample.
             mx.async_eval(logits)
+            started = time.perf_counter()
             tokens = current.tokens.tolist()
+            self.decode_wait_s += time.perf_counter() - started
             self.sampler.accept(tokens)
             self.pending = self.sampler.sample(logits, steps)
             mx.async_eval(*self.pending.arrays())
@@ -127,7 +136,9 @@ class Runner:
                 mx.async_eval(*self.pending.arrays())
             if current is None:
                 return []
+            started = time.perf_counter()
             tokens = current.tokens.tolist()
+            self.decode_wait_s += time.perf_counter() - started
             if not self.overlap:
                 mx.async_eval(*self.pending.arrays())
         emitting = self.seqs[:n_current]
