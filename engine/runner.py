@@ -120,33 +120,49 @@ class Runner:
         for s in self.seqs:
             self.store.advance(s.request_id, 1)
         self.fresh = []
-        if current is not None and self.sampler.needs_feedback:
-            # A constrained or penalised row needs this step's tokens before the next
-            # mask: queue the forward pass, read the tokens while it runs, then sample.
-            mx.async_eval(logits)
-            started = time.perf_counter()
-            tokens = current.tokens.tolist()
-            self.decode_wait_s += time.perf_counter() - started
-            self.sampler.accept(tokens)
-            self.pending = self.sampler.sample(logits, steps)
+        if self.sampler.needs_feedback:
+            return self._step_with_feedback(current, logits, steps)
+        self.pending = self.sampler.sample(logits, steps)
+        if current is None or self.overlap:
             mx.async_eval(*self.pending.arrays())
-        else:
-            self.pending = self.sampler.sample(logits, steps)
-            if current is None or self.overlap:
-                mx.async_eval(*self.pending.arrays())
-            if current is None:
-                return []
-            started = time.perf_counter()
-            tokens = current.tokens.tolist()
-            self.decode_wait_s += time.perf_counter() - started
-            if not self.overlap:
-                mx.async_eval(*self.pending.arrays())
+        if current is None:
+            return []
         emitting = self.seqs[:n_current]
+        tokens = self._read_tokens(current)
+        if not self.overlap:
+            mx.async_eval(*self.pending.arrays())
         logprobs = _read_logprobs(current, emitting)
         return [
             StepToken(seq, tok, logprobs[i] if logprobs else None)
             for i, (seq, tok) in enumerate(zip(emitting, tokens, strict=True))
         ]
+
+    def _step_with_feedback(
+        self, current: SampledStep | None, logits: mx.array, steps: list[int]
+    ) -> list[StepToken]:
+        """A constrained or penalised row must see the token it just emitted before its next
+        mask: read the previous step's tokens first (which also lets that step finish before
+        this one writes the pool), hand them to the rows' processors, then sample. Rows that
+        joined this step have emitted nothing yet; their first sample needs no feedback."""
+        tokens = self._read_tokens(current) if current is not None else []
+        self.sampler.accept(tokens)
+        self.pending = self.sampler.sample(logits, steps)
+        mx.async_eval(*self.pending.arrays())
+        if current is None:
+            return []
+        emitting = self.seqs[: len(tokens)]
+        logprobs = _read_logprobs(current, emitting)
+        return [
+            StepToken(seq, tok, logprobs[i] if logprobs else None)
+            for i, (seq, tok) in enumerate(zip(emitting, tokens, strict=True))
+        ]
+
+    def _read_tokens(self, step: SampledStep) -> list[int]:
+        """The host sync of a decode step: its time is the device's, not the host's."""
+        started = time.perf_counter()
+        tokens: list[int] = step.tokens.tolist()
+        self.decode_wait_s += time.perf_counter() - started
+        return tokens
 
     def _inputs(self, current: SampledStep | None) -> mx.array:
         fresh = mx.array(self.fresh, dtype=mx.uint32) if self.fresh else None

@@ -70,8 +70,8 @@ class BatchSampler:
         return bool(self._processors)
 
     def accept(self, tokens: list[int]) -> None:
-        """The tokens the batch just emitted, in row order; rows past the end of `tokens`
-        (joined this step, nothing emitted yet) have nothing to accept."""
+        """The tokens the batch just emitted, one per row, in row order; rows past the end
+        (they joined this step) have emitted nothing yet."""
         for i, processor in self._processors:
             if i < len(tokens):
                 processor.accept(tokens[i])

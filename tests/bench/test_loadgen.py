@@ -14,7 +14,7 @@ def test_prompts_have_the_requested_token_count(tiny_model_path) -> None:
     from mlx_lm.utils import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_model_path)
-    assert CHAT_TEMPLATE.count("<|im_start|>") == 2  # the overhead below assumes ChatML
+    assert "<|im_start|>" in CHAT_TEMPLATE  # the overhead below assumes ChatML
     for workload in (Workload(1, 100, 1), Workload(1, 400, 1, system_prompt="s" * 300)):
         ids = tokenizer.apply_chat_template(workload.messages(7), add_generation_prompt=True)
         assert len(ids) == workload.prompt_tokens
