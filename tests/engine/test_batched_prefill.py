@@ -21,6 +21,7 @@ from engine.sequence import Sequence
 
 # (prompt length, tokens already prefilled before the batched chunk, chunk length)
 ROWS = [(70, 0, 70), (200, 64, 100), (33, 16, 5), (130, 0, 1), (90, 48, 42)]
+SAME = [(150, 32, 64), (120, 32, 64), (96, 32, 64)]  # one shape: SDPA's "causal" mask
 
 
 def _store(loaded) -> KVStore:
@@ -45,15 +46,17 @@ def _alone(model, store: KVStore, rid: str, prompt: list[int], done: int, n: int
     return logits[0]
 
 
-def test_a_batched_call_gives_each_row_its_one_prompt_logits_and_kv(tiny_loaded):
+@pytest.mark.parametrize("shapes", [ROWS, SAME], ids=["ragged", "one-shape"])
+def test_a_batched_call_gives_each_row_its_one_prompt_logits_and_kv(tiny_loaded, shapes):
     model = tiny_loaded.model
     assert install_attention_hook(model)
     alone_store, batch_store = _store(tiny_loaded), _store(tiny_loaded)
-    prompts = [_prompt(100 + i, p) for i, (p, _, _) in enumerate(ROWS)]
-    alone = [_alone(model, alone_store, f"a{i}", prompts[i], done, n) for i, (_, done, n) in enumerate(ROWS)]
+    prompts = [_prompt(100 + i, p) for i, (p, _, _) in enumerate(shapes)]
+    alone = [_alone(model, alone_store, f"a{i}", prompts[i], done, n)
+             for i, (_, done, n) in enumerate(shapes)]
 
     rows = []
-    for i, (p, done, n) in enumerate(ROWS):
+    for i, (p, done, n) in enumerate(shapes):
         alloc = batch_store.reserve(f"b{i}", p + 8)
         if done:
             model(mx.array(prompts[i][:done])[None], cache=prefill_caches(batch_store, alloc, done))
@@ -61,11 +64,12 @@ def test_a_batched_call_gives_each_row_its_one_prompt_logits_and_kv(tiny_loaded)
             batch_store.advance(f"b{i}", done)
         rows.append(PrefillRow(alloc, tuple(prompts[i][done:done + n])))
     plan = plan_prefill(batch_store, rows)
-    assert plan.inputs.shape == (len(ROWS), max(n for _, _, n in ROWS))
+    assert isinstance(plan.mask, str) == (shapes is SAME)
+    assert plan.inputs.shape == (len(shapes), max(n for _, _, n in shapes))
     logits = model(plan.inputs, cache=batch_prefill_caches(plan, tiny_loaded.kv_geometry().num_layers))
     mx.eval(logits, rows[0].alloc.segment.arrays())
 
-    for i, (_, done, n) in enumerate(ROWS):
+    for i, (_, done, n) in enumerate(shapes):
         np.testing.assert_allclose(np.array(logits[i, :n]), np.array(alone[i]), rtol=1e-4, atol=1e-4)
         # the pool holds the same K/V at the row's positions (and padding wrote nowhere)
         a, b = alone_store.get(f"a{i}"), batch_store.get(f"b{i}")
