@@ -9,13 +9,18 @@ leave throughout.
 
 from __future__ import annotations
 
+import gc
 import random
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
 from engine import EngineRequest, SamplingParams
 from engine.logits_processor import LogitsProcessor
+from memory import MemoryGuard
+from memory.ceiling import Tier
+from memory.probes.allocator import AllocatorProbe
 
 SHAPES = [(13, 9), (300, 17), (45, 5), (128, 24), (7, 12), (260, 3), (90, 20), (33, 15)]
 
@@ -87,3 +92,36 @@ def test_a_request_gets_the_same_tokens_alone_as_in_a_mixed_batch_of_8(make_engi
             assert len(recording.accepted_at_fill) >= len(tokens)
             assert recording.accepted == tokens[: len(recording.accepted)]
             assert len(recording.accepted) >= len(tokens) - 1
+
+
+def test_admission_asks_for_the_steps_whole_batch_of_chunks(make_engine):
+    """Two prompts prefill. Under a roomy ceiling their chunks share one call per step;
+    under a ceiling with room for one chunk's transient but not the two-row batch's, each
+    step runs one chunk alone (the second waits for the next step, recorded as nothing),
+    and both complete."""
+    gc.collect()
+    mx.clear_cache()
+    guard = MemoryGuard(AllocatorProbe(), enabled=True, tier=Tier.CUSTOM, custom_ceiling_bytes=1 << 40)
+    h = make_engine(guard, prefill_step_size=64, max_step_tokens=256, prefix_cache_bytes=0,
+                    wait_timeout_s=120)
+    for i in range(2):
+        h.submit(EngineRequest(f"b{i}", tuple(random.Random(i).randrange(0, 256) for _ in range(900)), 4,
+                               SamplingParams(temperature=0.0)))
+    h.step()
+    assert (h.core.stats.prefill_chunks, h.core.stats.prefill_calls) == (2, 1)
+    admission = h.core.admission
+    a, b = h.core.prefilling
+    one = admission.chunk_prediction(a, 64)
+    two = admission.batch_prediction([(a, 64), (b, 64)])
+    assert two >= 2 * one > one
+    mx.clear_cache()
+    guard.configure(ceiling_bytes=guard.snapshot().footprint_bytes + (one + two) // 2)
+    decisions = len(guard.recent_decisions())
+    chunks, calls = h.core.stats.prefill_chunks, h.core.stats.prefill_calls
+    h.step()
+    assert h.core.stats.prefill_chunks - chunks == 1  # one chunk fit; the batch of two did not
+    assert h.core.stats.prefill_calls - calls == 1
+    assert all(d.outcome.value != "wait" for d in guard.recent_decisions()[decisions:])
+    guard.configure(ceiling_bytes=1 << 40)
+    h.run_until(lambda: len(h.out.finished) == 2)
+    assert h.out.finished == {"b0": "length", "b1": "length"}
