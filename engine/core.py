@@ -386,12 +386,13 @@ class EngineCore:
                 max_tokens=budget, batch=planned,
             )
             if planned and plan.decision.outcome is Outcome.WAIT:
-                break  # no room beside this step's batch: it goes first next step
+                break  # no room beside this step's batch: it is asked again next step
             if not self._act_on(seq, plan.decision, time.monotonic()):
                 if seq not in self.prefilling:
                     continue  # refused: the next one may fit
                 if (not planned and not len(self.batch) and plan.decision.code == CODE_WAITING
                         and self._preempt_youngest_prefill(seq)):
+                    i = self.prefilling.index(seq)
                     continue  # memory was handed back: ask again (not for an unreadable probe)
                 break  # it waits, and so does everyone behind it
             seq.wait_since = None
