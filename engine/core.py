@@ -35,9 +35,11 @@ Publish = Callable[[list[RequestOutput]], None]
 # The CPU attends segment by segment anyway (gather + SDPA per group), and its memory is
 # the system's: small segments hand memory back as soon as their requests end.
 CPU_SEGMENT_TOKENS = 2048
-# A step's token budget, by default, in chunks: up to four prompts' chunks share a step's
-# prefill call (vLLM's default budget is 2,048 tokens to our 512-token chunks).
-STEP_CHUNKS = 4
+# A step's token budget, by default, in chunks. One: a long prompt takes the step, short
+# prompts (and prompts' last chunks) share it. On the CPU a 4-chunk budget did not raise
+# throughput and lengthened TTFT (docs/throughput.md); on a GPU, measure with
+# --max-step-tokens.
+STEP_CHUNKS = 1
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class EngineConfig:
     kv_block_size: int = 16
     kv_segment_tokens: int | None = None  # None: sized from the model (engine.kv.store)
     decode_overlap: bool | None = None  # None: on for CUDA (measured safe), off elsewhere (engine.runner)
-    max_step_tokens: int | None = None  # tokens per step, decode rows included (None: 4 × prefill_step_size)
+    max_step_tokens: int | None = None  # tokens per step, decode rows included (None: prefill_step_size)
     prefill_batch: int = 8  # most prompts' chunks in one prefill model call (1: one per call)
 
 
@@ -364,7 +366,7 @@ class EngineCore:
         """This step's prefill: chunks of the prefilling prompts, first come first served,
         under the step's token budget, run together (several prompts per model call).
 
-        The budget is `max_step_tokens` (default: 4 × `prefill_step_size`) less one token per
+        The budget is `max_step_tokens` (default: `prefill_step_size`) less one token per
         decoding row, as vLLM's scheduler counts it, but never below the smallest chunk:
         waiting prompts always move. Admission asks before every chunk, for the step's
         batch so far plus this chunk; a chunk that must wait stops the gathering (and
