@@ -382,10 +382,16 @@ class EngineCore:
             if seq.remaining_prefill == 0:
                 i += 1  # a prefix hit covered it: it joins below
                 continue
+            allow = budget
+            if 0 < seq.remaining_prefill - budget < self.config.min_chunk_tokens:
+                # Finish the prompt rather than leave a few tokens for a step of their own
+                # (the decode rows' share of the budget would otherwise cut 1,000-token
+                # prompts into 985 + 15, and rows of unequal length need an array mask).
+                allow = seq.remaining_prefill
             plan = self.admission.plan_chunk(
                 seq, self._admitted(), self._allocated_kv(),
                 self.prefix_cache.evictable_bytes(self._protected()),
-                max_tokens=budget, batch=planned,
+                max_tokens=allow, batch=planned,
             )
             if planned and plan.decision.outcome is Outcome.WAIT:
                 break  # no room beside this step's batch: it is asked again next step
