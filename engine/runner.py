@@ -1,4 +1,5 @@
-"""The model calls themselves: a prefill chunk for one request, a decode step for the batch.
+"""The model calls themselves: prefill chunks (several requests per call), a decode step for
+the batch.
 
 KV lives in the engine's `KVStore`; the runner only names which request's blocks a call
 reads and writes. A request joins the batch with no model call of its own: its last
