@@ -31,7 +31,8 @@ from engine import EngineClient, EngineConfig, EngineRequest, SamplingParams, lo
 from memory import MemoryGuard
 from memory.probes.allocator import AllocatorProbe
 
-_KEYS = ("steps", "busy_s", "decode_wait_s", "prefill_wait_s", "engine_cpu_s", "generated_tokens")
+_KEYS = ("steps", "busy_s", "decode_wait_s", "prefill_wait_s", "queue_s", "engine_cpu_s",
+         "generated_tokens")
 
 
 def _split(before: Any, after: Any, wall: float) -> dict[str, Any]:
@@ -40,8 +41,9 @@ def _split(before: Any, after: Any, wall: float) -> dict[str, Any]:
     waits = d["decode_wait_s"] + d["prefill_wait_s"]
     return {"steps": d["steps"], "step_ms": round(d["busy_s"] / steps * 1e3, 3),
             "device_wait_ms_per_step": round(waits / steps * 1e3, 3),
+            "queue_ms_per_step": round(d["queue_s"] / steps * 1e3, 3),
             "engine_cpu_ms_per_step": round(d["engine_cpu_s"] / steps * 1e3, 3),
-            "other_ms_per_step": round((d["busy_s"] - waits - d["engine_cpu_s"]) / steps * 1e3, 3),
+            "host_ms_per_step": round((d["busy_s"] - waits - d["queue_s"]) / steps * 1e3, 3),
             "busy_pct": round(d["busy_s"] / wall * 100, 1)}
 
 

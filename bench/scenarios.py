@@ -95,12 +95,14 @@ async def throughput(server: Server, model: str, sizes: Sizes) -> list[dict[str,
 
 
 _ENGINE_COUNTERS = ("steps", "decode_steps", "prefill_chunks", "prefill_calls", "generated_tokens",
-                    "prompt_tokens", "busy_s", "decode_wait_s", "prefill_wait_s", "engine_cpu_s")
+                    "prompt_tokens", "busy_s", "decode_wait_s", "prefill_wait_s", "queue_s", "engine_cpu_s")
 
 
 def _engine_split(before: dict[str, Any], after: dict[str, Any], wall_s: float) -> dict[str, Any]:
     """The engine thread's time during one load: waiting for the device (decode steps,
-    prefill calls), its own host work (the rest of its busy time), and idle."""
+    prefill calls), queueing decode steps (`mx.async_eval`: launches on CUDA; on the CPU
+    MLX computes there when too many tasks are in flight), its own host work (the rest of
+    its busy time), and idle."""
     d = {k: (after.get(k) or 0) - (before.get(k) or 0) for k in _ENGINE_COUNTERS}
     busy = d["busy_s"]
     waits = d["decode_wait_s"] + d["prefill_wait_s"]
@@ -109,8 +111,9 @@ def _engine_split(before: dict[str, Any], after: dict[str, Any], wall_s: float) 
         **{k: round(v, 4) if isinstance(v, float) else v for k, v in d.items()},
         "step_ms": round(busy / steps * 1e3, 3),
         "device_wait_ms_per_step": round(waits / steps * 1e3, 3),
-        "host_ms_per_step": round((busy - waits) / steps * 1e3, 3),
-        "host_pct_of_busy": round((busy - waits) / busy * 100, 1) if busy else None,
+        "queue_ms_per_step": round(d["queue_s"] / steps * 1e3, 3),
+        "host_ms_per_step": round((busy - waits - d["queue_s"]) / steps * 1e3, 3),
+        "host_pct_of_busy": round((busy - waits - d["queue_s"]) / busy * 100, 1) if busy else None,
         "idle_pct": round(max(wall_s - busy, 0) / wall_s * 100, 1) if wall_s else None,
         "chunks_per_prefill_call": round(d["prefill_chunks"] / d["prefill_calls"], 2)
         if d["prefill_calls"] else None,

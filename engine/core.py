@@ -91,6 +91,7 @@ class EngineStats:
     busy_s: float = 0.0
     decode_wait_s: float = 0.0
     prefill_wait_s: float = 0.0
+    queue_s: float = 0.0  # inside mx.async_eval (launches; on the CPU, compute MLX throttles)
     engine_cpu_s: float = 0.0
     recent_chunks: tuple[ChunkSample, ...] = ()  # oldest first: prediction against measurement
     peak_bytes: int = 0  # MLX's peak active memory since start
@@ -614,6 +615,7 @@ class EngineCore:
             busy_s=round(self._busy_s, 6),
             decode_wait_s=round(self.batch.decode_wait_s, 6),
             prefill_wait_s=round(self.batch.prefill_wait_s, 6),
+            queue_s=round(self.batch.queue_s, 6),
             engine_cpu_s=round(self._cpu_s, 6),
             recent_chunks=self.admission.recent_chunks(),
             peak_bytes=self.admission.lifetime_peak_bytes(),

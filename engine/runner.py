@@ -56,6 +56,7 @@ class Runner:
         # evaluating a prefill call): the rest of its busy time is host work.
         self.decode_wait_s = 0.0
         self.prefill_wait_s = 0.0
+        self.queue_s = 0.0  # inside mx.async_eval of decode steps (see _queue)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -125,13 +126,13 @@ class Runner:
             return self._step_with_feedback(current, logits, steps)
         self.pending = self.sampler.sample(logits, steps)
         if current is None or self.overlap:
-            mx.async_eval(*self.pending.arrays())
+            self._queue(self.pending)
         if current is None:
             return []
         emitting = self.seqs[:n_current]
         tokens = self._read_tokens(current)
         if not self.overlap:
-            mx.async_eval(*self.pending.arrays())
+            self._queue(self.pending)
         logprobs = _read_logprobs(current, emitting)
         return [
             StepToken(seq, tok, logprobs[i] if logprobs else None)
@@ -148,7 +149,7 @@ class Runner:
         tokens = self._read_tokens(current) if current is not None else []
         self.sampler.accept(tokens)
         self.pending = self.sampler.sample(logits, steps)
-        mx.async_eval(*self.pending.arrays())
+        self._queue(self.pending)
         if current is None:
             return []
         emitting = self.seqs[: len(tokens)]
@@ -157,6 +158,13 @@ class Runner:
             StepToken(seq, tok, logprobs[i] if logprobs else None)
             for i, (seq, tok) in enumerate(zip(emitting, tokens, strict=True))
         ]
+
+    def _queue(self, step: SampledStep) -> None:
+        """Queue a decode step. On CUDA this is launch work; MLX also blocks here while too
+        many tasks are in flight, which on the CPU backend means computing the step."""
+        started = time.perf_counter()
+        mx.async_eval(*step.arrays())
+        self.queue_s += time.perf_counter() - started
 
     def _read_tokens(self, step: SampledStep) -> list[int]:
         """The host sync of a decode step: its time is the device's, not the host's."""
