@@ -2,7 +2,8 @@
 
 Pure, typed policy: probes read the machine into a frozen :class:`MemorySnapshot`;
 :func:`compute_ceiling` turns it into a hard limit; :func:`decide` says ADMIT, EVICT,
-WAIT or REJECT, and why. Nothing here imports FastAPI, the engine or the server, and
+WAIT or REJECT, and why; :func:`compute_fit` says whether a model fits before it is loaded,
+and what fits beside it. Nothing here imports FastAPI, the engine or the server, and
 ``mlx.core`` is only imported lazily inside probe reads.
 """
 
@@ -20,6 +21,7 @@ from .estimate import (
     geometry_from_model,
     kv_cache_bytes,
 )
+from .fit import FitReport, LoadRequirement, ModelSpec, compute_fit
 from .guard import GuardState, HandBackPolicy, MemoryGuard
 from .probes import (
     AllocatorProbe,
@@ -34,6 +36,8 @@ from .probes import (
 )
 from .snapshot import MemorySnapshot
 from .tracker import TransientTracker
+from .walk import EngineParams
+from .weights import Quantization, TensorInfo, WeightInventory, inventory_from_tensors
 
 __all__ = [
     "KV_STEP",
@@ -43,13 +47,17 @@ __all__ = [
     "CeilingConfig",
     "CudaProbe",
     "Decision",
+    "EngineParams",
+    "FitReport",
     "GuardState",
     "HandBackPolicy",
     "LinuxProbe",
+    "LoadRequirement",
     "MacOSProbe",
     "MemoryGuard",
     "MemorySnapshot",
     "ModelGeometry",
+    "ModelSpec",
     "NvmlReading",
     "Outcome",
     "PrefillEstimate",
@@ -57,11 +65,15 @@ __all__ = [
     "ProbeError",
     "ProbeUnavailableError",
     "PynvmlReader",
+    "Quantization",
     "ResilientProbe",
+    "TensorInfo",
     "Tier",
     "TransientTracker",
+    "WeightInventory",
     "cache_limit_bytes",
     "compute_ceiling",
+    "compute_fit",
     "decide",
     "detect_probe",
     "estimate_decode_reservation",
@@ -69,5 +81,6 @@ __all__ = [
     "fused_attention_available",
     "geometry_from_config",
     "geometry_from_model",
+    "inventory_from_tensors",
     "kv_cache_bytes",
 ]

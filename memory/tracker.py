@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 import threading
 
+DEFAULT_MARGIN = 1.2  # predictions are the best estimate × this; memory/fit.py uses it too
+
 
 class TransientTracker:
     """Thread-safe EWMA of measured bytes per prefill token."""
@@ -18,7 +20,7 @@ class TransientTracker:
     WARMUP = 3  # observations accepted unconditionally before outlier rejection starts
 
     def __init__(
-        self, alpha: float = 0.3, margin: float = 1.2, outlier_factor: float = 4.0
+        self, alpha: float = 0.3, margin: float = DEFAULT_MARGIN, outlier_factor: float = 4.0
     ) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError("alpha must be in (0, 1]")

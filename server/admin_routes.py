@@ -13,8 +13,9 @@ from fastapi.responses import JSONResponse
 from engine import backend_name
 from memory import Tier
 from server.errors import BadRequest, ServiceUnavailable
+from server.model_fit import fit_json
 from server.schemas import MemoryGuardUpdate
-from server.state import get_state
+from server.state import ServerState, get_state
 
 router = APIRouter()
 
@@ -119,6 +120,7 @@ async def memory_view(request: Request) -> dict[str, Any]:
             "fixed_bytes": ceiling.fixed_bytes,
             "fixed_binding": ceiling.fixed_binding,
         },
+        "model": _model_view(state),
         "committed_bytes": stats.committed_bytes,
         "kv_bytes": stats.kv_bytes,
         "kv": {
@@ -155,3 +157,28 @@ async def memory_view(request: Request) -> dict[str, Any]:
             for d in guard.recent_decisions()
         ],
     }
+
+
+def _model_view(state: ServerState) -> dict[str, Any]:
+    """The model's weights and reserved context, and whether load admission's reserve was
+    met (``reserve_met`` false with ``forced`` true: started with --force-load)."""
+    loaded = state.engine.loaded
+    admission = state.load_admission
+    view: dict[str, Any] = {
+        "name": state.model_name,
+        "weight_bytes": loaded.weight_bytes if loaded else None,
+        "context_length": loaded.context_length if loaded else None,
+        "reserve_context_tokens": None,
+        "reserve_met": None,
+        "forced": False,
+        "load_check": None,
+    }
+    if admission is not None:
+        report = admission.report
+        view |= {
+            "reserve_context_tokens": report.load.reserve_tokens,
+            "reserve_met": admission.reserve_met,
+            "forced": admission.forced,
+            "load_check": {"enforced": admission.checked, **fit_json(report)},
+        }
+    return view

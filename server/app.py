@@ -24,6 +24,7 @@ from server.host_guard import HostGuardMiddleware, HostPolicy
 from server.limits import BodyLimitMiddleware
 from server.metrics import Metrics
 from server.metrics import router as metrics_router
+from server.model_fit import LoadAdmission
 from server.openai_routes import router as openai_router
 from server.openapi_doc import install_openapi_errors
 from server.responses import router as responses_router
@@ -76,6 +77,7 @@ def create_app(
     *,
     probe: Probe | None = None,
     load: Callable[[], LoadedModel] | None = None,
+    load_admission: LoadAdmission | None = None,
     on_engine_death: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
     """The app. `on_engine_death` runs on the event loop when the engine thread dies (the
@@ -90,7 +92,7 @@ def create_app(
         max_queue=settings.max_queue,
         on_death=on_engine_death,
     )
-    state = ServerState(settings=settings, engine=engine, guard=guard)
+    state = ServerState(settings=settings, engine=engine, guard=guard, load_admission=load_admission)
     history = History(lambda: read_sample(state))
 
     @asynccontextmanager

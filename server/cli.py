@@ -88,10 +88,17 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--responses-store-bytes", type=int)
     serve.add_argument("--env-file", help="read MLX_HEADROOM_* settings (e.g. keys) from this file "
                        "instead of ./.env (what `service install` writes, mode 0600)")
+    serve.add_argument("--reserve-context-tokens", type=int,
+                       help="tokens of context the model must have room for to load (default 8192)")
+    serve.add_argument("--force-load", action="store_true", default=None,
+                       help="load the model even when weights + reserve exceed the ceiling")
     sub.add_parser("build-default-model", help="build the embedded default model and print its path")
     sub.add_parser("service", add_help=False,
                    help="run under launchd/systemd: install | uninstall | status | logs "
                    "(`mlx-headroom service --help`)")
+    from server.doctor import add_doctor_parser
+
+    add_doctor_parser(sub)
     return parser
 
 
@@ -130,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print(ensure_default_model())
         return 0
+    if args.command == "doctor":
+        from server.doctor import run_doctor
+
+        return run_doctor(args)
     try:
         settings = settings_from_args(args)
     except ValueError as exc:  # pydantic's ValidationError: a setting that cannot be served
@@ -143,10 +154,18 @@ def main(argv: list[str] | None = None) -> int:
     from server.access_log import configure_logging
 
     configure_logging(settings.log_level)
+    from server.model_fit import LoadRefused, admit_load
+
+    try:
+        load_admission = admit_load(settings)
+    except LoadRefused as exc:
+        print(f"mlx-headroom: not loading {settings.public_model_name}: {exc}", file=sys.stderr)
+        return exc.exit_code
     from server.app import create_app
 
     servers: list[_Server] = []
-    app = create_app(settings, on_engine_death=lambda exc: servers[0].fail(exc))
+    app = create_app(settings, load_admission=load_admission,
+                     on_engine_death=lambda exc: servers[0].fail(exc))
     config = uvicorn.Config(
         app,
         host=settings.host,

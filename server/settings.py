@@ -62,6 +62,13 @@ class Settings(BaseSettings):
     responses_store_entries: int = Field(256, ge=0, description="stored responses kept, at most")
     responses_store_bytes: int = Field(64 << 20, ge=0, description="bytes of stored responses, at most")
 
+    # load admission (issue 15)
+    reserve_context_tokens: int = Field(
+        8192, ge=1, description="context to reserve KV for when admitting the model at load "
+        "(capped at the model's context)"
+    )
+    force_load: bool = Field(False, description="load even when the reserve does not fit")
+
     # service
     api_key: str | None = None
     admin_key: str | None = None

@@ -12,6 +12,7 @@ from fastapi import Request
 from engine import EngineClient
 from memory import MemoryGuard
 from server.errors import BadRequest, ServiceUnavailable
+from server.model_fit import LoadAdmission
 from server.settings import Settings
 
 
@@ -20,6 +21,7 @@ class ServerState:
     settings: Settings
     engine: EngineClient
     guard: MemoryGuard
+    load_admission: LoadAdmission | None = None  # the start-up fit verdict (serve only)
     started_at: int = field(default_factory=lambda: int(time.time()))
     shutting_down: bool = False
     grammar_compiler: Any = None  # server.structured.grammar_compiler builds it on first use

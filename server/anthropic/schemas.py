@@ -27,7 +27,8 @@ def _known_blocks(value: Any, known: frozenset[str], where: str) -> Any:
     kept = []
     for block in value:
         kind = block.get("type") if isinstance(block, dict) else None
-        if isinstance(block, dict) and kind not in known:
+        # A non-string type is malformed, not unknown: validation refuses it with a 400.
+        if isinstance(block, dict) and isinstance(kind, str) and kind not in known:
             log.debug("ignoring a content block of unknown type %r in %s", kind, where)
             continue
         kept.append(block)

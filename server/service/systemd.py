@@ -1,7 +1,8 @@
 """Linux: a systemd user unit (default), or a system unit with --system.
 
 `Restart=on-failure` restarts the server when it exits with an error (it exits 1 when its
-engine dies) but not after a clean stop; `TimeoutStopSec` gives the drain on SIGTERM time
+engine dies) but not after a clean stop, nor after exit 2 (bad settings) or 4 (the model
+does not fit), which a restart cannot change; `TimeoutStopSec` gives the drain on SIGTERM time
 before systemd's SIGKILL. Logs go to the journal (`service logs` runs journalctl). A user
 unit runs while its user is logged in; `loginctl enable-linger USER` keeps it running
 without a session.
@@ -58,6 +59,9 @@ def render_unit(spec: ServiceSpec) -> str:
         f"WorkingDirectory={quote(str(spec.env_file.parent))}",
         "Environment=PYTHONUNBUFFERED=1",
         "Restart=on-failure",
+        # 2: bad settings, 4: the model does not fit (load admission). A restart cannot
+        # change either, so systemd should not loop on them.
+        "RestartPreventExitStatus=2 4",
         f"RestartSec={RESTART_SEC}",
         "KillSignal=SIGTERM",
         f"TimeoutStopSec={TIMEOUT_STOP_S}",

@@ -241,6 +241,11 @@ def test_400_invalid_request(proc):
         ]}]}), 400, "invalid_request_error")
     assert "image" in err["message"] and "messages[0].content[1]" in err["message"]
     assert MODEL in err["message"]
+    # A block whose type is not a string is malformed, not an unknown type to skip (found by
+    # schemathesis: it was a 500).
+    for kind in (["text"], {"a": 1}, 3):
+        assert_anthropic_error(post(proc, {"model": CLAUDE, "max_tokens": 5, "messages": [
+            {"role": "user", "content": [{"type": kind, "text": "hi"}]}]}), 400, "invalid_request_error")
 
 
 def test_sdk_raises_its_own_error_classes(client):

@@ -91,8 +91,10 @@ def test_log_prompts_puts_the_text_in(start_server):
 
 
 def test_a_refusal_is_logged_with_its_admission_outcome(start_server):
+    # a 1000-byte machine: the model itself does not fit, so it is loaded by force
     proc = start_server(env={"MLX_HEADROOM_MEMORY_TIER": "custom",
-                             "MLX_HEADROOM_MEMORY_CEILING_BYTES": "1000"})
+                             "MLX_HEADROOM_MEMORY_CEILING_BYTES": "1000",
+                             "MLX_HEADROOM_FORCE_LOAD": "true"})
     r = chat(proc.url, "hello")
     assert r.status_code == 507, r.text
     record, _ = line_for(proc, r.headers["x-request-id"])

@@ -183,6 +183,7 @@ def test_systemd_units_pass_systemd_analyze_verify(env, tmp_path):
     user_unit = env.home / ".config/systemd/user/mlx-headroom.service"
     text = user_unit.read_text()
     assert "Restart=on-failure" in text and "WantedBy=default.target" in text
+    assert "RestartPreventExitStatus=2 4" in text  # no restart loop on a model that cannot fit
     assert SECRET not in text
     assert stat.S_IMODE((env.home / ".config/mlx-headroom/env").stat().st_mode) == 0o600
     _verify(user_unit, user=True, runtime=runtime)

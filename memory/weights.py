@@ -1,0 +1,136 @@
+"""How many bytes a model's weights take, without loading them.
+
+The exact number comes from the safetensors headers: each tensor's dtype, shape and byte
+range are in the JSON header at the start of every file, so summing them reads a few
+kilobytes per shard however large the model is. Quantized tensors (mlx-lm packs them as
+``uint32`` words beside ``scales`` and ``biases``) are counted at their packed size.
+
+A :class:`WeightInventory` also knows which elements mlx-lm *could* quantize (2-D weights
+whose last dimension is a multiple of the group size, the rule ``nn.quantize`` applies), so
+it can say what the same model would take at 8 or 4 bits: the "smaller quantisation" a
+refused load suggests.
+
+Pure: parsing takes the header's bytes; opening files is the caller's job.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_GROUP_SIZE = 64  # mlx-lm's default quantization group
+SCALE_BYTES = 2  # scales and biases are stored in the model's 16-bit dtype
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as a file (or a lazily built model) describes it."""
+
+    name: str
+    dtype: str  # safetensors spelling ("BF16", "U32", ...) or an MLX dtype name
+    shape: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def elements(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Quantization:
+    bits: int
+    group_size: int = DEFAULT_GROUP_SIZE
+
+    def __str__(self) -> str:
+        return f"{self.bits}-bit (group {self.group_size})"
+
+
+@dataclass(frozen=True)
+class WeightInventory:
+    """Weight bytes as stored, split into what quantization would shrink and what it keeps."""
+
+    total_bytes: int
+    quantizable_elements: int  # logical elements of quantizable (or quantized) matrices
+    quantizable_bytes: int  # their bytes as stored now (packed words + scales + biases)
+    quantization: Quantization | None = None  # the model's own, if quantized
+
+    @property
+    def other_bytes(self) -> int:
+        """Norms, biases, and matrices quantization leaves alone."""
+        return self.total_bytes - self.quantizable_bytes
+
+    def bytes_at(self, quantization: Quantization) -> int:
+        """Weight bytes if the quantizable matrices were stored at ``quantization``."""
+        n = self.quantizable_elements
+        packed = math.ceil(n * quantization.bits / 8)
+        groups = math.ceil(n / quantization.group_size)
+        return self.other_bytes + packed + 2 * groups * SCALE_BYTES
+
+
+def parse_safetensors_header(data: bytes) -> list[TensorInfo]:
+    """Tensors listed in a safetensors header: ``data`` holds at least the 8-byte length and
+    the JSON header that follows it. Raises ``ValueError`` for anything malformed."""
+    if len(data) < 8:
+        raise ValueError("not a safetensors file: shorter than its 8-byte header length")
+    (length,) = struct.unpack("<Q", data[:8])
+    if len(data) < 8 + length:
+        raise ValueError(f"safetensors header is {length} bytes but only {len(data) - 8} given")
+    try:
+        header: dict[str, Any] = json.loads(data[8 : 8 + length])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"safetensors header is not JSON: {exc}") from exc
+    tensors = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = entry["data_offsets"]
+        tensors.append(TensorInfo(name, str(entry["dtype"]), tuple(entry["shape"]), int(end - start)))
+    return tensors
+
+
+def safetensors_header_length(prefix: bytes) -> int:
+    """Bytes to read from the file's start to hold the whole header (8 + its length)."""
+    (length,) = struct.unpack("<Q", prefix[:8])
+    return 8 + int(length)
+
+
+def inventory_from_tensors(
+    tensors: Iterable[TensorInfo], quantization: Quantization | None = None
+) -> WeightInventory:
+    """Sum ``tensors`` and find the quantizable matrices.
+
+    A quantized matrix ``X.weight`` comes with ``X.scales`` (one per group): its logical
+    element count is scales × group size. An unquantized 2-D ``.weight`` whose last
+    dimension divides by the group size is what ``nn.quantize`` would quantize (linear
+    layers and embeddings; norms are 1-D).
+    """
+    group = quantization.group_size if quantization else DEFAULT_GROUP_SIZE
+    by_name = {t.name: t for t in tensors}
+    total = sum(t.nbytes for t in by_name.values())
+    q_elements = 0
+    q_bytes = 0
+    for name, t in by_name.items():
+        if not name.endswith(".weight"):
+            continue
+        stem = name[: -len(".weight")]
+        scales = by_name.get(stem + ".scales")
+        if scales is not None:
+            q_elements += scales.elements * group
+            biases = by_name.get(stem + ".biases")
+            q_bytes += t.nbytes + scales.nbytes + (biases.nbytes if biases else 0)
+        elif len(t.shape) == 2 and t.shape[-1] % DEFAULT_GROUP_SIZE == 0:
+            q_elements += t.elements
+            q_bytes += t.nbytes
+    return WeightInventory(total, q_elements, q_bytes, quantization)
+
+
+def quantization_from_config(config: Mapping[str, Any]) -> Quantization | None:
+    """mlx-lm writes ``"quantization": {"group_size": 64, "bits": 4}`` into config.json."""
+    q = config.get("quantization") or config.get("quantization_config")
+    if not isinstance(q, Mapping) or "bits" not in q:
+        return None
+    return Quantization(int(q["bits"]), int(q.get("group_size", DEFAULT_GROUP_SIZE)))

@@ -1,0 +1,147 @@
+"""Load admission and `mlx-headroom doctor`, through real processes.
+
+The machine is simulated with the allocator probe and a custom ceiling: the probe counts
+MLX's own allocations, so a 25 MB ceiling is a 25 MB machine for the tiny models.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.conftest import MODEL, ROOT, ServerProcess, free_port
+
+TINY_DUMMY = ["--load-format", "dummy"]  # with --model tiny: the tiny preset, random weights
+
+
+def simulated(ceiling_bytes: int) -> list[str]:
+    return ["--memory-probe", "allocator", "--memory-tier", "custom",
+            "--memory-ceiling-bytes", str(ceiling_bytes)]
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "server.cli", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def doctor(*args: str) -> tuple[int, dict[str, Any]]:
+    out = cli("doctor", "--json", *args)
+    assert out.stdout, out.stderr
+    return out.returncode, json.loads(out.stdout)
+
+
+def test_a_model_whose_reserve_exceeds_the_ceiling_is_refused_at_start_up(tmp_path: Path) -> None:
+    out = cli("serve", "--model", "tiny", *TINY_DUMMY, *simulated(25_000_000),
+              "--port", str(free_port()))
+    assert out.returncode == 4, out.stderr
+    err = out.stderr
+    assert "not loading tiny: tiny does not fit" in err
+    # the numbers: weights, the reserve's KV, the chunk, the total, and the binding ceiling
+    assert "weights 2.5 MiB + KV for 8192 reserved tokens 16.0 MiB + one prefill chunk" in err
+    assert "the custom ceiling 23.8 MiB" in err
+    assert "--force-load loads it anyway" in err
+    assert "building dummy model" not in out.stdout + err  # refused before any weights
+    # what would fit does fit: the suggested reserve starts
+    reserve = re.search(r"--reserve-context-tokens (\d+)", err)
+    assert reserve is not None, err
+    proc = ServerProcess(Path("tiny"), args=[*TINY_DUMMY, *simulated(25_000_000),
+                                             "--reserve-context-tokens", reserve.group(1)])
+    try:
+        proc.start(tmp_path)
+        model = httpx.get(proc.url + "/v1/memory").json()["model"]
+        assert model["reserve_met"] is True
+        assert model["reserve_context_tokens"] == int(reserve.group(1))
+    finally:
+        proc.stop()
+
+
+def test_force_load_starts_and_says_the_reserve_is_not_met(tmp_path: Path) -> None:
+    proc = ServerProcess(Path("tiny"), args=[*TINY_DUMMY, *simulated(25_000_000), "--force-load"])
+    try:
+        proc.start(tmp_path)
+        log = proc.log()
+        assert f"--force-load: loading although the reserve is not met: {MODEL} does not fit" in log
+        memory = httpx.get(proc.url + "/v1/memory").json()
+        model = memory["model"]
+        assert (model["reserve_met"], model["forced"]) == (False, True)
+        assert model["weight_bytes"] == 2_629_120  # the tiny preset in float32
+        assert model["reserve_context_tokens"] == 8192
+        check = model["load_check"]
+        assert check["required_bytes"] > memory["ceiling"]["hard_bytes"] == 25_000_000
+        assert check["weight_bytes"] == model["weight_bytes"]  # predicted = loaded
+        assert "does not fit" in check["message"]
+        r = httpx.post(proc.url + "/v1/completions",
+                       json={"model": MODEL, "prompt": "hello", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200, r.text  # short requests still run under the guard
+    finally:
+        proc.stop()
+
+
+def test_doctor_reports_this_machine_and_serve_agrees_on_its_ceiling(
+    server: ServerProcess, tiny_model_path: Path
+) -> None:
+    rc, report = doctor("--model", str(tiny_model_path))
+    assert rc == 0 and report["ok"], report["problems"]
+    assert report["backend"]["name"] == "cpu"
+    assert all(p["ok"] for p in report["probes"].values())
+    assert {"auto", "linux", "allocator"} <= set(report["probes"])
+    ceiling = report["ceiling"]
+    assert ceiling["hard_bytes"] == ceiling["components"][ceiling["binding"]] > 0
+    served = httpx.get(server.url + "/v1/memory").json()
+    # the static limit depends only on the machine: the server computes the same one
+    assert ceiling["components"]["static"] == served["ceiling"]["components"]["static"]
+    fit = report["model"]["fit"]
+    assert report["model"]["weight_bytes"] == served["model"]["weight_bytes"]
+    assert fit["fits"] and fit["max_prompt_tokens"] > 0
+    assert [c["prompt_tokens"] for c in fit["concurrency"]] == [1024, 8192, 32768]
+    assert fit["concurrency"][0]["requests"] > 0
+    assert served["model"]["reserve_met"] is True and served["model"]["forced"] is False
+    text = cli("doctor", "--model", str(tiny_model_path))
+    assert text.returncode == 0
+    assert "longest prompt at concurrency 1" in text.stdout and "binds" in text.stdout
+
+
+def test_doctor_longest_prompt_is_what_admission_admits(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    flags = [*simulated(12_000_000), "--reserve-context-tokens", "256"]
+    rc, report = doctor("--model", str(tiny_model_path), "--max-tokens", "4", *flags)
+    assert rc == 0, report
+    longest = report["model"]["fit"]["max_prompt_tokens"]
+    assert 500 < longest < 4000  # bound by the ceiling, not by the 8192-token context
+    proc = ServerProcess(tiny_model_path, args=flags)
+    try:
+        proc.start(tmp_path)
+
+        def complete(tokens: int, first: int) -> httpx.Response:
+            prompt = [first] + [97] * (tokens - 1)  # distinct first tokens: no prefix hits
+            return httpx.post(proc.url + "/v1/completions", timeout=120,
+                              json={"model": MODEL, "prompt": prompt, "max_tokens": 4})
+
+        over = complete(longest + 1, 66)
+        assert over.status_code == 507, over.text
+        error = over.json()["error"]
+        assert error["code"] in {"prefill_memory_exceeded", "prompt_exceeds_memory_ceiling"}
+        assert "custom ceiling 11.4 MiB" in error["message"]
+        fits = complete(longest, 65)
+        assert fits.status_code == 200, fits.text
+        assert fits.json()["usage"]["prompt_tokens"] == longest
+    finally:
+        proc.stop()
+
+
+def test_doctor_fails_when_the_model_cannot_fit_at_all_or_a_probe_fails(tiny_model_path: Path) -> None:
+    rc, report = doctor("--model", str(tiny_model_path), *simulated(2_000_000))
+    assert rc == 1 and not report["ok"]
+    assert report["model"]["fit"]["fits_at_all"] is False
+    assert any("cannot fit at all" in p for p in report["problems"])
+    rc, report = doctor("--memory-probe", "macos")  # not a Mac: the configured probe fails
+    assert rc == 1
+    assert report["probes"]["macos"]["ok"] is False
+    assert any("probe 'macos' failed" in p for p in report["problems"])
