@@ -369,19 +369,39 @@ class EngineCore:
 
         The budget is `max_step_tokens` (default: `prefill_step_size`) less one token per
         decoding row, as vLLM's scheduler counts it, but never below the smallest chunk:
-        waiting prompts always move. Admission asks before every chunk, for the step's
-        batch so far plus this chunk; a chunk that must wait stops the gathering (and
-        everyone behind it waits), but what was gathered still runs.
+        waiting prompts always move. Each round gathers at most one chunk per prompt and
+        runs them as one batch; while budget is left (a chunk was halved under memory
+        pressure, a prompt finished), another round follows, so a lone prompt takes the
+        step's whole budget in several chunks, as before batching.
         """
         step_tokens = self.config.max_step_tokens or STEP_CHUNKS * self.config.prefill_step_size
         budget = max(step_tokens - len(self.batch), self.config.min_chunk_tokens)
+        while budget > 0:
+            planned, predicted, stopped = self._gather_chunks(budget)
+            if planned:
+                self._prefilling_batch = [s for s, _ in planned]
+                self._run_chunks(planned, predicted)
+                self._prefilling_batch = []
+                budget -= sum(n for _, n in planned)
+            for seq in [s for s in self.prefilling if s.remaining_prefill == 0]:
+                self._join_batch(seq)
+            if not planned or stopped:
+                return
+
+    def _gather_chunks(self, budget: int) -> tuple[list[tuple[Sequence, int]], int, bool]:
+        """One chunk per prompt while `budget` lasts, each admitted for the batch so far.
+
+        Returns the chunks, their batch's prediction, and whether a prompt had to wait (a
+        chunk that does not fit beside the batch is no WAIT decision: it is asked again in
+        the next round or step; one that does not fit alone waits, and everyone behind it).
+        """
         planned: list[tuple[Sequence, int]] = []
-        batch_bytes = 0
+        predicted = 0
         i = 0
         while i < len(self.prefilling) and budget > 0:
             seq = self._prefilling_now = self.prefilling[i]
             if seq.remaining_prefill == 0:
-                i += 1  # a prefix hit covered it: it joins below
+                i += 1  # a prefix hit covered it: it joins
                 continue
             allow = budget
             if 0 < seq.remaining_prefill - budget < self.config.min_chunk_tokens:
@@ -395,7 +415,7 @@ class EngineCore:
                 max_tokens=allow, batch=planned,
             )
             if planned and plan.decision.outcome is Outcome.WAIT:
-                break  # no room beside this step's batch: it is asked again next step
+                break  # no room beside this batch: asked again in the next round
             if not self._act_on(seq, plan.decision, time.monotonic()):
                 if seq not in self.prefilling:
                     continue  # refused: the next one may fit
@@ -403,19 +423,15 @@ class EngineCore:
                         and self._preempt_youngest_prefill(seq)):
                     i = self.prefilling.index(seq)
                     continue  # memory was handed back: ask again (not for an unreadable probe)
-                break  # it waits, and so does everyone behind it
+                self._prefilling_now = None
+                return planned, predicted, True  # it waits, and so does everyone behind it
             seq.wait_since = None
             planned.append((seq, plan.tokens))
-            batch_bytes = plan.predicted_bytes
+            predicted = plan.predicted_bytes
             budget -= plan.tokens
             i += 1
         self._prefilling_now = None
-        if planned:
-            self._prefilling_batch = [s for s, _ in planned]
-            self._run_chunks(planned, batch_bytes)
-            self._prefilling_batch = []
-        for seq in [s for s in self.prefilling if s.remaining_prefill == 0]:
-            self._join_batch(seq)
+        return planned, predicted, False
 
     def _preempt_youngest_prefill(self, head: Sequence) -> bool:
         """Break a wait that nothing would end: the head of the prefill queue waits for

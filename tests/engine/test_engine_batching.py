@@ -96,8 +96,8 @@ def test_a_request_gets_the_same_tokens_alone_as_in_a_mixed_batch_of_8(make_engi
 
 def test_admission_asks_for_the_steps_whole_batch_of_chunks(make_engine):
     """Two prompts prefill. Under a roomy ceiling their chunks share one call per step;
-    under a ceiling with room for one chunk's transient but not the two-row batch's, each
-    step runs one chunk alone (the second waits for the next step, recorded as nothing),
+    under a ceiling with room for one chunk's transient but not the two-row batch's, every
+    call runs one chunk alone (the other prompt is asked again later, recorded as nothing),
     and both complete."""
     gc.collect()
     mx.clear_cache()
@@ -108,7 +108,7 @@ def test_admission_asks_for_the_steps_whole_batch_of_chunks(make_engine):
         h.submit(EngineRequest(f"b{i}", tuple(random.Random(i).randrange(0, 256) for _ in range(900)), 4,
                                SamplingParams(temperature=0.0)))
     h.step()
-    assert (h.core.stats.prefill_chunks, h.core.stats.prefill_calls) == (2, 1)
+    assert h.core.stats.prefill_chunks == 2 * h.core.stats.prefill_calls > 0  # both, each call
     admission = h.core.admission
     a, b = h.core.prefilling
     one = admission.chunk_prediction(a, 64)
@@ -119,8 +119,9 @@ def test_admission_asks_for_the_steps_whole_batch_of_chunks(make_engine):
     decisions = len(guard.recent_decisions())
     chunks, calls = h.core.stats.prefill_chunks, h.core.stats.prefill_calls
     h.step()
-    assert h.core.stats.prefill_chunks - chunks == 1  # one chunk fit; the batch of two did not
-    assert h.core.stats.prefill_calls - calls == 1
+    ran = h.core.stats.prefill_chunks - chunks
+    assert ran >= 1
+    assert h.core.stats.prefill_calls - calls == ran  # each call ran one chunk: two never fit
     assert all(d.outcome.value != "wait" for d in guard.recent_decisions()[decisions:])
     guard.configure(ceiling_bytes=1 << 40)
     h.run_until(lambda: len(h.out.finished) == 2)
