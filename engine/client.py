@@ -71,8 +71,11 @@ class EngineClient:
         config: EngineConfig,
         max_queue: int,
         on_death: Callable[[BaseException], None] | None = None,
+        make_core: Callable[[LoadedModel, MemoryGuard, EngineConfig, Callable[[list[RequestOutput]], None]],
+                            EngineCore] = EngineCore,
     ) -> None:
         self._load = load
+        self._make_core = make_core
         self._on_death = on_death
         self.guard = guard
         self.config = config
@@ -102,7 +105,7 @@ class EngineClient:
             assert self._loop is not None
             try:
                 self.loaded = self._load()
-                self.core = EngineCore(self.loaded, self.guard, self.config, self._publish)
+                self.core = self._make_core(self.loaded, self.guard, self.config, self._publish)
             except BaseException as exc:
                 log.exception("the engine failed to start")
                 self._dead = exc
@@ -246,7 +249,15 @@ class EngineClient:
             if output.finish_reason is not None:
                 del self._streams[output.request_id]
 
+    def fail(self, exc: BaseException) -> None:
+        """From any thread, when the engine can no longer run though its thread may be stuck
+        (a tensor-parallel peer is gone): fail what is in flight, refuse what comes next."""
+        self._dead = exc
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._fail_all, exc)
+
     def _fail_all(self, exc: BaseException) -> None:
+        error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"the engine thread died: {exc}")
         for stream in self._streams.values():
-            stream._put(EngineDeadError(f"the engine thread died: {exc}"))
+            stream._put(error)
         self._streams.clear()

@@ -121,6 +121,8 @@ class EngineCore:
         guard: MemoryGuard,
         config: EngineConfig,
         publish: Publish,
+        *,
+        admission_cls: type[Admission] = Admission,
     ) -> None:
         self.model = loaded.model
         self.loaded = loaded
@@ -136,7 +138,7 @@ class EngineCore:
         if not install_attention_hook(self.model):
             raise RuntimeError(f"{loaded.model_id}: its attention does not go through mlx-lm's "
                                "scaled_dot_product_attention; the paged KV store cannot serve it")
-        self.admission = Admission(
+        self.admission = admission_cls(
             guard, loaded.geometry, self.store, backend=loaded.backend,
             min_chunk_tokens=config.min_chunk_tokens, weight_bytes=loaded.weight_bytes,
         )
@@ -161,6 +163,10 @@ class EngineCore:
         self._prefilling_batch: list[Sequence] = []  # the chunks of the prefill call in flight
         self._busy_s = 0.0  # wall time inside step()
         self._cpu_s = 0.0  # the engine thread's CPU time inside step()
+        # Tensor parallel (engine.distributed): every rank steps in lockstep with rank 0,
+        # on rank 0's clock. None and the wall clock on a single device.
+        self.lockstep: Any = None
+        self.clock: Callable[[], float] = time.monotonic
         self._publish_stats()  # the idle engine's numbers (peak, cache limit) before any step
 
     # ---- called from other threads ------------------------------------------------
@@ -188,10 +194,15 @@ class EngineCore:
             if self._stop:
                 break
             idle = not self.step()
+        if self.lockstep is not None:
+            self.lockstep.stop(self)
         self._abort_all("the server is shutting down")
 
     def step(self) -> bool:
         """One engine step; False when it could do nothing (everything waits)."""
+        if self.lockstep is not None and not self.lockstep.before_step(self):
+            self._stop = True
+            return False
         started, cpu_started = time.perf_counter(), time.thread_time()
         chunks_before = self._counters["prefill_chunks"]
         try:
@@ -219,6 +230,8 @@ class EngineCore:
         self._busy_s += time.perf_counter() - started
         self._cpu_s += time.thread_time() - cpu_started
         self._publish_stats()
+        if self.lockstep is not None:
+            self.lockstep.after_step(self)
         if self._outputs:
             outputs, self._outputs = self._outputs, []
             self.publish(outputs)
@@ -237,8 +250,10 @@ class EngineCore:
         while True:
             if item is None:
                 return
+            if self.lockstep is not None and isinstance(item, _Submit | _Abort):
+                self.lockstep.took(item)
             if isinstance(item, _Submit):
-                self.waiting.append(Sequence(item.request, chunk_tokens=self.config.prefill_step_size))
+                self.submit_now(item.request)
             elif isinstance(item, _Abort):
                 self._abort(item.request_id)
             else:
@@ -250,6 +265,10 @@ class EngineCore:
                 item = self.inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def submit_now(self, request: EngineRequest) -> None:
+        """On the engine thread: queue a request (the inbox's, or rank 0's on another rank)."""
+        self.waiting.append(Sequence(request, chunk_tokens=self.config.prefill_step_size))
 
     # ---- admission -------------------------------------------------------------------
     def _admitted(self) -> list[Sequence]:
@@ -265,7 +284,7 @@ class EngineCore:
 
     def _schedule_waiting(self) -> None:
         """Admit waiting requests first come, first served, while they fit."""
-        now = time.monotonic()
+        now = self.clock()
         while self.waiting and len(self._admitted()) < self.config.max_concurrency:
             seq = self.waiting[0]
             if not seq.looked_up:
@@ -416,7 +435,7 @@ class EngineCore:
             )
             if planned and plan.decision.outcome is Outcome.WAIT:
                 break  # no room beside this batch: asked again in the next round
-            if not self._act_on(seq, plan.decision, time.monotonic()):
+            if not self._act_on(seq, plan.decision, self.clock()):
                 if seq not in self.prefilling:
                     continue  # refused: the next one may fit
                 if (not planned and not len(self.batch) and plan.decision.code == CODE_WAITING

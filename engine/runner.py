@@ -19,6 +19,7 @@ and the engine picks per backend (`EngineConfig.decode_overlap`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +58,8 @@ class Runner:
         self.decode_wait_s = 0.0
         self.prefill_wait_s = 0.0
         self.queue_s = 0.0  # inside mx.async_eval of decode steps (see _queue)
+        # Tensor parallel: every rank feeds back rank 0's tokens (engine.distributed).
+        self.agree: Callable[[SampledStep], SampledStep] | None = None
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -124,7 +127,7 @@ class Runner:
         self.fresh = []
         if self.sampler.needs_feedback:
             return self._step_with_feedback(current, logits, steps)
-        self.pending = self.sampler.sample(logits, steps)
+        self.pending = self._sample(logits, steps)
         if current is None or self.overlap:
             self._queue(self.pending)
         if current is None:
@@ -139,6 +142,10 @@ class Runner:
             for i, (seq, tok) in enumerate(zip(emitting, tokens, strict=True))
         ]
 
+    def _sample(self, logits: mx.array, steps: list[int]) -> SampledStep:
+        step = self.sampler.sample(logits, steps)
+        return step if self.agree is None else self.agree(step)
+
     def _step_with_feedback(
         self, current: SampledStep | None, logits: mx.array, steps: list[int]
     ) -> list[StepToken]:
@@ -148,7 +155,7 @@ class Runner:
         joined this step have emitted nothing yet; their first sample needs no feedback."""
         tokens = self._read_tokens(current) if current is not None else []
         self.sampler.accept(tokens)
-        self.pending = self.sampler.sample(logits, steps)
+        self.pending = self._sample(logits, steps)
         self._queue(self.pending)
         if current is None:
             return []

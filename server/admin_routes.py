@@ -85,7 +85,7 @@ async def memory_view(request: Request) -> dict[str, Any]:
     ceiling = guard.ceiling(snapshot)
     stats = state.engine.stats
     prefix = stats.prefix_cache
-    return {
+    body = {
         "platform": snapshot.platform,
         # What the device (or OS) counts for this process, MLX's cache and CUDA's pool
         # included, and where that figure came from; admission counts the same number.
@@ -157,6 +157,28 @@ async def memory_view(request: Request) -> dict[str, Any]:
             for d in guard.recent_decisions()
         ],
     }
+    group = getattr(request.app.state, "tensor_parallel", None)
+    if group is not None:
+        body["tensor_parallel"] = _ranks_view(group, guard)
+    return body
+
+
+def _ranks_view(group: Any, guard: Any) -> dict[str, Any]:
+    """Every rank's usage against the ceiling, and the rank admission decides on: the one
+    with the least room (the top-level figures above are that rank's)."""
+    readings = group.readings()
+    ranks = []
+    for r in readings:
+        ceiling = guard.ceiling(r.snapshot)
+        ranks.append({
+            "rank": r.rank,
+            "usage_bytes": r.snapshot.footprint_bytes,
+            "usage_source": r.snapshot.usage_source,
+            "ceiling_bytes": ceiling.hard_bytes,
+            "binding": ceiling.binding,
+            "headroom_bytes": r.headroom_bytes,
+        })
+    return {"size": len(ranks), "binding_rank": group.binding_rank(readings), "ranks": ranks}
 
 
 def _model_view(state: ServerState) -> dict[str, Any]:

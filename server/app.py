@@ -79,6 +79,8 @@ def create_app(
     load: Callable[[], LoadedModel] | None = None,
     load_admission: LoadAdmission | None = None,
     on_engine_death: Callable[[BaseException], None] | None = None,
+    make_core: Callable[..., Any] | None = None,
+    group: Any = None,
 ) -> FastAPI:
     """The app. `on_engine_death` runs on the event loop when the engine thread dies (the
     CLI stops the server and exits non-zero, so a supervisor restarts it)."""
@@ -91,6 +93,7 @@ def create_app(
         config=engine_config(settings),
         max_queue=settings.max_queue,
         on_death=on_engine_death,
+        **({"make_core": make_core} if make_core is not None else {}),
     )
     state = ServerState(settings=settings, engine=engine, guard=guard, load_admission=load_admission)
     history = History(lambda: read_sample(state))
@@ -109,6 +112,7 @@ def create_app(
 
     app = FastAPI(title="mlx-headroom", version="0.1.0", lifespan=lifespan)
     app.state.server = state
+    app.state.tensor_parallel = group  # engine.distributed's GroupProbe on rank 0, else None
     install_error_handlers(app, render=anthropic.render)
     app.include_router(openai_router)
     app.include_router(anthropic.router)

@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--load-format", choices=["auto", "dummy"],
-        help="'dummy': random weights; --model then names a preset (llama3-8b, qwen2.5-7b, tiny) "
+        help="'dummy': random weights; --model then names a preset (llama3-8b, llama3-70b, qwen2.5-7b, tiny) "
         "or a config.json",
     )
     serve.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
@@ -86,6 +86,15 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level")
     serve.add_argument("--responses-store-entries", type=int)
     serve.add_argument("--responses-store-bytes", type=int)
+    serve.add_argument("--tensor-parallel", type=int, help="split the model across N ranks "
+                       "started by MLX's launcher (mlx.launch); rank 0 serves HTTP")
+    serve.add_argument("--hostfile", help="MLX hostfile: ranks on several machines (e.g. Macs over "
+                       "Thunderbolt)")
+    serve.add_argument("--backend", choices=["auto", "ring", "jaccl", "nccl"],
+                       help="mx.distributed backend (default: nccl on CUDA, else ring)")
+    serve.add_argument("--tp-port", type=int, help="first port the ranks connect on (default 32323)")
+    serve.add_argument("--tp-timeout-s", type=float,
+                       help="fail the group when no collective returns for this long (default 60)")
     serve.add_argument("--env-file", help="read MLX_HEADROOM_* settings (e.g. keys) from this file "
                        "instead of ./.env (what `service install` writes, mode 0600)")
     serve.add_argument("--reserve-context-tokens", type=int,
@@ -154,18 +163,35 @@ def main(argv: list[str] | None = None) -> int:
     from server.access_log import configure_logging
 
     configure_logging(settings.log_level)
+    if (settings.tensor_parallel > 1 or settings.hostfile) and "MLX_RANK" not in os.environ:
+        from engine.distributed import launcher
+
+        return launcher.launch(settings, argv)  # starts every rank, rank 0 included
     from server.model_fit import LoadRefused, admit_load
 
     try:
-        load_admission = admit_load(settings)
+        # Tensor parallel: each rank holds 1/N of the weights, which load admission does not
+        # model yet; the ranks' guard still admits every request on the tightest rank.
+        tensor_parallel = settings.tensor_parallel > 1 or settings.hostfile
+        load_admission = None if tensor_parallel else admit_load(settings)
     except LoadRefused as exc:
         print(f"mlx-headroom: not loading {settings.public_model_name}: {exc}", file=sys.stderr)
         return exc.exit_code
     from server.app import create_app
 
     servers: list[_Server] = []
-    app = create_app(settings, load_admission=load_admission,
-                     on_engine_death=lambda exc: servers[0].fail(exc))
+    extra: dict[str, Any] = {}
+    if settings.tensor_parallel > 1 or settings.hostfile:
+        from engine.distributed import launcher
+        from server.app import engine_config, make_guard
+
+        rank = launcher.join_group(settings, engine_config(settings),
+                                   lambda probe: make_guard(settings, probe))
+        if not rank.leader:
+            return rank.follow()
+        extra = rank.app_hooks()
+    on_death = extra.pop("on_engine_death", lambda exc: servers[0].fail(exc))
+    app = create_app(settings, load_admission=load_admission, on_engine_death=on_death, **extra)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -177,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     server = _Server(config)
     servers.append(server)
+    if extra:
+        rank.attach(app, server)
     server.run()
     if not server.started:
         return EXIT_STARTUP_FAILED

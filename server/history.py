@@ -75,6 +75,7 @@ class History:
     async def _run(self) -> None:
         failed = False
         while True:
+            taken = time.time()
             try:
                 self.take()
                 failed = False
@@ -82,8 +83,14 @@ class History:
                 if not failed:
                     log.exception("memory history: taking a sample failed; retrying each second")
                 failed = True
-            # Aligned to the period, so the samples stay 1 s apart however long a read takes.
-            await asyncio.sleep(self.period_s - time.time() % self.period_s)
+            await asyncio.sleep(max(self.next_due(taken) - time.time(), 0.0))
+
+    def next_due(self, taken: float) -> float:
+        """The next period boundary at least half a period after ``taken``: aligned, so the
+        samples stay a period apart however long a read takes, and never a second sample
+        just after the first when the loop's timer wakes a little before the boundary."""
+        due = (taken // self.period_s + 1) * self.period_s
+        return due + self.period_s if due - taken < self.period_s / 2 else due
 
     def start(self) -> None:
         if self._task is None:

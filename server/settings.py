@@ -58,6 +58,15 @@ class Settings(BaseSettings):
     prefix_cache_bytes: int = Field(2 * GiB, ge=0)
     prefix_cache_entries: int = Field(16, ge=0)
 
+    # tensor parallel (engine.distributed): N ranks started by MLX's launcher, rank 0 serves
+    tensor_parallel: int = Field(1, ge=1, description="ranks the model is split across (1: one device)")
+    hostfile: str | None = Field(None, description="MLX hostfile: ranks on several machines")
+    backend: Literal["auto", "ring", "jaccl", "nccl"] = Field(
+        "auto", description="mx.distributed backend ('auto': nccl on CUDA, else ring)")
+    tp_port: int = Field(32323, ge=1, le=65535, description="first port of the ranks' connections")
+    tp_timeout_s: float = Field(
+        60.0, gt=0, description="a collective that has not returned by then fails the group")
+
     # Responses API: the in-memory store behind `previous_response_id` (requests with store=true)
     responses_store_entries: int = Field(256, ge=0, description="stored responses kept, at most")
     responses_store_bytes: int = Field(64 << 20, ge=0, description="bytes of stored responses, at most")

@@ -52,6 +52,13 @@ def test_the_ring_is_bounded_and_answers_since():
     assert ring.at_or_before(4.5).at == 4.0 and ring.at_or_before(1.0) is None
 
 
+def test_a_sampler_that_wakes_early_skips_to_the_next_boundary() -> None:
+    ring = History(lambda: None, period_s=1.0)  # type: ignore[arg-type, return-value]
+    assert ring.next_due(10.2) == 11.0
+    assert ring.next_due(10.998) == 12.0  # woke 2 ms before 11: not a second sample at 11.0
+    assert ring.next_due(11.0) == 12.0
+
+
 def test_history_is_sampled_once_a_second(srv):
     wait_until(lambda: len(stats(srv.url)["history"]["at"]) >= 4, timeout=15)
     h = stats(srv.url)["history"]
