@@ -126,6 +126,7 @@ function renderMemory(m, guardFresh = true) {
     ["hit rate", lookups ? (100 * p.hits / lookups).toFixed(1) + " %" : "—"],
     ["evictions", fmtNum(p.evictions)]]);
   renderEngine(m.engine || {});
+  renderModels(m.models || null);
   renderDecisions(m.decisions || []);
   if (guardFresh && !view.busy) renderGuard(m.guard);
 }

@@ -121,6 +121,8 @@ async def memory_view(request: Request) -> dict[str, Any]:
             "fixed_binding": ceiling.fixed_binding,
         },
         "model": _model_view(state),
+        **({"models": pool.memory_json()}
+           if (pool := getattr(request.app.state, "model_pool", None)) is not None else {}),
         "committed_bytes": stats.committed_bytes,
         "kv_bytes": stats.kv_bytes,
         "kv": {

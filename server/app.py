@@ -25,6 +25,7 @@ from server.limits import BodyLimitMiddleware
 from server.metrics import Metrics
 from server.metrics import router as metrics_router
 from server.model_fit import LoadAdmission
+from server.model_pool import ModelLeaseMiddleware, ModelPool, wants_pool
 from server.openai_routes import router as openai_router
 from server.openapi_doc import install_openapi_errors
 from server.responses import router as responses_router
@@ -86,10 +87,11 @@ def create_app(
     CLI stops the server and exits non-zero, so a supervisor restarts it)."""
     settings = settings or Settings()
     guard = make_guard(settings, probe)
+    pool = ModelPool(settings, guard, on_death=on_engine_death) if wants_pool(settings) else None
     engine = EngineClient(
         load=load or (lambda: load_model(settings.model, model_id=settings.public_model_name,
                                          load_format=settings.load_format, dtype=settings.dtype)),
-        guard=guard,
+        guard=pool.guard_for(pool.primary) if pool else guard,
         config=engine_config(settings),
         max_queue=settings.max_queue,
         on_death=on_engine_death,
@@ -97,10 +99,14 @@ def create_app(
     )
     state = ServerState(settings=settings, engine=engine, guard=guard, load_admission=load_admission)
     history = History(lambda: read_sample(state))
+    if pool is not None:
+        pool.attach_primary(state)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
+        if pool is not None:
+            await pool.start()
         log.info("ready: serving %s", state.model_name)
         history.start()
         yield
@@ -108,10 +114,13 @@ def create_app(
         state.shutting_down = True
         log.info("shutting down: finishing %d requests (grace %.0fs)",
                  engine.in_flight, settings.shutdown_grace_s)
+        if pool is not None:
+            await pool.shutdown(settings.shutdown_grace_s)
         await engine.shutdown(settings.shutdown_grace_s)
 
     app = FastAPI(title="mlx-headroom", version="0.1.0", lifespan=lifespan)
     app.state.server = state
+    app.state.model_pool = pool
     app.state.tensor_parallel = group  # engine.distributed's GroupProbe on rank 0, else None
     install_error_handlers(app, render=anthropic.render)
     app.include_router(openai_router)
@@ -144,6 +153,8 @@ def create_app(
         cors_origins=settings.cors_origins), render=anthropic.render)
     app.add_middleware(AccessLogMiddleware, log_prompts=settings.log_prompts,
                        observe=observe)
+    if pool is not None:
+        app.add_middleware(ModelLeaseMiddleware)
     if DASHBOARD_DIR is not None:
         app.mount("/dashboard", StaticFiles(directory=DASHBOARD_DIR, html=True), name="dashboard")
     return app

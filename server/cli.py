@@ -43,7 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     serve.add_argument(
-        "--model", help="mlx-lm model directory or hub id ('default': the embedded tiny model)"
+        "--model", action="append",
+        help="mlx-lm model directory or hub id ('default': the embedded tiny model); repeat it "
+        "to load several models (the first is the default one)",
     )
     serve.add_argument(
         "--load-format", choices=["auto", "dummy"],
@@ -97,6 +99,13 @@ def _parser() -> argparse.ArgumentParser:
                        help="fail the group when no collective returns for this long (default 60)")
     serve.add_argument("--env-file", help="read MLX_HEADROOM_* settings (e.g. keys) from this file "
                        "instead of ./.env (what `service install` writes, mode 0600)")
+    # several models (issue 15, part 2; docs/multi-model.md)
+    serve.add_argument("--allowed-models", action="append",
+                       help="a model that may be loaded on demand, or a directory of model "
+                       "directories (repeatable, or comma-separated)")
+    serve.add_argument("--pin", action="append", help="a model never unloaded (repeatable)")
+    serve.add_argument("--idle-unload-s", type=float,
+                       help="unload a model after this many seconds without requests")
     serve.add_argument("--reserve-context-tokens", type=int,
                        help="tokens of context the model must have room for to load (default 8192)")
     serve.add_argument("--force-load", action="store_true", default=None,
@@ -115,6 +124,11 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     overrides: dict[str, Any] = {
         k: v for k, v in vars(args).items() if k not in ("command", "env_file") and v is not None
     }
+    models = overrides.get("model")
+    if isinstance(models, list):  # `serve --model` is repeatable: the first is the default
+        overrides["model"] = models[0]
+        if models[1:]:
+            overrides["extra_models"] = models[1:]
     env_file = getattr(args, "env_file", None)
     if env_file is not None:
         if not os.path.isfile(env_file):

@@ -15,6 +15,7 @@ from server import anthropic, fastjson
 from server.chat_plan import ChatPlan, plan_chat
 from server.errors import APIError, BadRequest, NotFound
 from server.generation import ChoiceResult, Generation, gather, prepare
+from server.model_pool import pooled_state
 from server.schemas import ChatCompletionRequest, CompletionRequest
 from server.state import ServerState, get_state
 from server.structured import ProcessorFactory, Shaping, check_logit_bias, response_format_grammar
@@ -163,7 +164,10 @@ async def chat_completions(
     body: ChatCompletionRequest, request: Request
 ) -> JSONResponse | StreamingResponse:
     state = get_state(request)
-    _check_model(state, body.model)
+    if (pooled := await pooled_state(request, body.model)) is not None:
+        state = pooled
+    else:
+        _check_model(state, body.model)
     _check_supported(body)
     plan = await _plan_chat(state, body)
     generation = _start(state, body, plan.tokens, body.logprobs, body.top_logprobs or 0,
@@ -271,7 +275,10 @@ async def chat_completions(
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
     state = get_state(request)
-    _check_model(state, body.model)
+    if (pooled := await pooled_state(request, body.model)) is not None:
+        state = pooled
+    else:
+        _check_model(state, body.model)
     _check_supported(body)
     check_logit_bias(state, body.logit_bias_pairs())
     prompts = await _tokenize_prompts(state, body)
@@ -353,12 +360,20 @@ async def list_models(request: Request) -> dict[str, Any]:
     state = get_state(request)
     if "anthropic-version" in request.headers:
         return anthropic.model_list(state)
+    pool = getattr(request.app.state, "model_pool", None)
+    if pool is not None:  # loaded and loadable models, with their state
+        return {"object": "list", "data": pool.cards(state.started_at)}
     return {"object": "list", "data": [_model_card(state)]}
 
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, request: Request) -> dict[str, Any]:
     state = get_state(request)
+    pool = getattr(request.app.state, "model_pool", None)
+    if pool is not None and "anthropic-version" not in request.headers:
+        card = pool.card(model, state.started_at)  # any model it may serve, loaded or not
+        if card is not None:
+            return card
     _check_model(state, model)
     if "anthropic-version" in request.headers:
         return anthropic.model_card(state)

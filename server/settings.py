@@ -78,6 +78,20 @@ class Settings(BaseSettings):
     )
     force_load: bool = Field(False, description="load even when the reserve does not fit")
 
+    # several models in one budget (issue 15, part 2; docs/multi-model.md)
+    extra_models: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="models loaded at start besides `model`"
+    )
+    allowed_models: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="models (or directories of models) loadable on demand"
+    )
+    pin: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="models never unloaded to make room or when idle"
+    )
+    idle_unload_s: float | None = Field(
+        None, gt=0, description="unload a model after this many seconds without requests"
+    )
+
     # service
     api_key: str | None = None
     admin_key: str | None = None
@@ -104,6 +118,19 @@ class Settings(BaseSettings):
             if text.startswith("["):
                 return json.loads(text)
             return [o.strip() for o in text.split(",") if o.strip()]
+        return value
+
+    @field_validator("extra_models", "allowed_models", "pin", mode="before")
+    @classmethod
+    def _split_models(cls, value: object) -> object:
+        """A JSON list, or comma-separated names (in one string or in each repeated flag)."""
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            value = [text]
+        if isinstance(value, list):
+            return [part.strip() for item in value for part in str(item).split(",") if part.strip()]
         return value
 
     @field_validator("model_aliases", mode="before")
@@ -133,6 +160,14 @@ class Settings(BaseSettings):
                 f"model aliases must point at the served model ({self.public_model_name!r}); "
                 f"these do not: {wrong}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _one_model_when_split(self) -> Settings:
+        several = self.extra_models or self.allowed_models or self.idle_unload_s
+        if several and (self.tensor_parallel > 1 or self.hostfile):
+            raise ValueError("several models (--model repeated, --allowed-models, "
+                             "--idle-unload-s) are not supported with tensor parallelism yet")
         return self
 
     @property

@@ -25,6 +25,7 @@ from server.anthropic.stream import message_events
 from server.chat_plan import ChatPlan, plan_chat
 from server.errors import NotFound
 from server.generation import Generation, gather, prepare
+from server.model_pool import pooled_state
 from server.state import ServerState, get_state
 from server.tools import FunctionTool, ToolChoice
 
@@ -108,7 +109,10 @@ def _start(state: ServerState, body: MessagesRequest, plan: ChatPlan) -> Generat
 @router.post("/v1/messages", response_model=None)
 async def create_message(body: MessagesRequest, request: Request) -> JSONResponse | StreamingResponse:
     state = get_state(request)
-    _check_model(state, body.model)
+    if (pooled := await pooled_state(request, body.model)) is not None:
+        state = pooled
+    else:
+        _check_model(state, body.model)
     plan = await _plan(state, body)
     generation = _start(state, body, plan)
     request.state.generation = generation
@@ -130,7 +134,10 @@ async def create_message(body: MessagesRequest, request: Request) -> JSONRespons
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
     state = get_state(request)
-    _check_model(state, body.model)
+    if (pooled := await pooled_state(request, body.model)) is not None:
+        state = pooled
+    else:
+        _check_model(state, body.model)
     return {"input_tokens": len((await _plan(state, body, counting=True)).tokens)}
 
 
