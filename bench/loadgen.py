@@ -76,6 +76,7 @@ class Workload:
     timeout_s: float = 600.0
     seed: int = 0
     first_index: int = 0  # offsets request numbers, so that repeated runs stay distinct
+    stream: bool = True  # False: one JSON answer per request (no TTFT/TPOT, latency only)
 
     @property
     def total_requests(self) -> int:
@@ -100,8 +101,8 @@ class Workload:
             "messages": self.messages(index),
             "max_tokens": self.max_tokens,
             "temperature": 0.0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
+            "stream": self.stream,
+            **({"stream_options": {"include_usage": True}} if self.stream else {}),
         }
 
 
@@ -151,6 +152,7 @@ class LoadReport:
         dropped = Counter(str(r.error) for r in self.results if r.outcome == "dropped")
         tokens = sum(r.completion_tokens for r in self.results)
         ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+        latency = [r.latency_s for r in ok if r.latency_s is not None]
         tpot = [t for r in ok if (t := r.tpot_s) is not None]
         ms = 1000.0
 
@@ -174,6 +176,8 @@ class LoadReport:
             "ttft_ms_p95": pct(ttft, 95),
             "tpot_ms_p50": pct(tpot, 50),
             "tpot_ms_p95": pct(tpot, 95),
+            "latency_ms_p50": pct(latency, 50),
+            "latency_ms_p95": pct(latency, 95),
         }
 
 
@@ -189,6 +193,8 @@ async def _one(
     client: httpx.AsyncClient, url: str, workload: Workload, index: int, headers: dict[str, str]
 ) -> RequestResult:
     result = RequestResult(index=index, started=time.perf_counter())
+    if not workload.stream:
+        return await _one_whole(client, url, workload, index, headers, result)
     try:
         async with client.stream(
             "POST", url + "/v1/chat/completions", json=workload.body(index), headers=headers,
@@ -233,6 +239,33 @@ async def _one(
     except (httpx.TransportError, httpx.StreamError) as exc:
         result.outcome, result.error = "dropped", type(exc).__name__
         result.completion_tokens = result.content_chunks
+    finally:
+        result.latency_s = time.perf_counter() - result.started
+    return result
+
+
+async def _one_whole(
+    client: httpx.AsyncClient, url: str, workload: Workload, index: int, headers: dict[str, str],
+    result: RequestResult,
+) -> RequestResult:
+    try:
+        response = await client.post(
+            url + "/v1/chat/completions", json=workload.body(index), headers=headers,
+            timeout=httpx.Timeout(workload.timeout_s, connect=30.0),
+        )
+        result.status = response.status_code
+        if response.status_code != 200:
+            result.outcome, result.error = "failed", _error_code(response.content)
+            return result
+        body = response.json()
+        result.completion_tokens = int((body.get("usage") or {}).get("completion_tokens") or 0)
+        choices = body.get("choices") or [{}]
+        result.finish_reason = choices[0].get("finish_reason")
+        result.outcome = "ok" if result.finish_reason is not None else "failed"
+        if result.outcome == "failed":
+            result.error = "no_finish_reason"
+    except (httpx.TransportError, httpx.StreamError) as exc:
+        result.outcome, result.error = "dropped", type(exc).__name__
     finally:
         result.latency_s = time.perf_counter() - result.started
     return result
@@ -302,9 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-n", "--requests", type=int)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--api-key")
+    parser.add_argument("--no-stream", dest="stream", action="store_false")
     args = parser.parse_args(argv)
     workload = Workload(args.concurrency, args.prompt_tokens, args.max_tokens, args.requests,
-                        model=args.model, timeout_s=args.timeout)
+                        model=args.model, timeout_s=args.timeout, stream=args.stream)
     report = asyncio.run(run_load(args.url, workload, api_key=args.api_key))
     print(json.dumps(report.summary(), indent=2))
     return 0

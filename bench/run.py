@@ -100,6 +100,17 @@ def _machine(model: str, dtype: str, bandwidth_bytes: int, env: dict[str, str]) 
     return dict(json.loads(out.stdout))
 
 
+def _bound(model: str, dtype: str, sizes: Sizes, env: dict[str, str]) -> dict[str, Any]:
+    """The bare model's prefill rate and decode steps (bench/bound.py), in a child process
+    so that its device memory is gone before the servers start."""
+    cmd = [sys.executable, "-m", "bench.bound", "--model", model, "--dtype", dtype,
+           "--prompt-tokens", str(sizes.prompt_tokens), "--max-tokens", str(sizes.max_tokens),
+           "--concurrency", ",".join(str(c) for c in sizes.concurrency)]
+    out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True,
+                         check=True, timeout=900)
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
 def _save_model_dir(model: str, dtype: str, out: Path, env: dict[str, str]) -> float:
     """Write the dummy model for mlx_lm.server in a child process (no device memory kept here)."""
     started = time.monotonic()
@@ -156,6 +167,18 @@ def derived(data: dict[str, Any]) -> dict[str, Any]:
             out[f"{server}_c1_tok_s_per_stream"] = round(1000 / c1["tpot_ms_p50"], 2)
             out[f"{server}_c1_bandwidth_fraction"] = round(1000 / c1["tpot_ms_p50"] / bound, 4)
             out["bandwidth_bound_tok_s"] = round(bound, 2)
+    b = data.get("bound")
+    if b:
+        from bench.bound import bound
+
+        for points in (data["scenarios"].get("throughput") or {}).values():
+            if not isinstance(points, list):
+                continue
+            for p in points:
+                key = str(p.get("concurrency"))
+                if key in b.get("decode_step_ms", {}) and p.get("output_tok_s") is not None:
+                    p.update(bound(b, p["concurrency"], p["requests"]))
+                    p["fraction_of_bound"] = round(p["output_tok_s"] / p["bound_tok_s"], 4)
     guard = (data["scenarios"].get("guard") or {}).get("ours") or {}
     if "cost_pct" in guard:
         out["guard_cost_pct"] = guard["cost_pct"]
@@ -180,6 +203,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="simulate a machine of this size for ours in the pressure scenario "
                    "(cpu-quick default: computed so that about 3 prompts fit; 0: real memory)")
     p.add_argument("--bandwidth-bytes", type=int, help="array size of the copy-bandwidth test (0: skip)")
+    p.add_argument("--no-bound", action="store_true", help="skip the bare model's bound (bench/bound.py)")
     p.add_argument("--ours-arg", action="append", default=[], help="extra flag for our server")
     p.add_argument("--ours-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for our server, e.g. MLX_HEADROOM_MEMORY_WAIT_TIMEOUT_S=5")
@@ -188,6 +212,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         kind = float if f.type == "float" else int
         if f.name == "concurrency":
             p.add_argument("--concurrency", help="comma-separated, e.g. 1,8,32")
+        elif f.name == "stream_modes":
+            p.add_argument("--stream-modes", help="comma-separated: stream, nonstream (throughput)")
         else:
             p.add_argument("--" + f.name.replace("_", "-"), type=kind)
     return p.parse_args(argv)
@@ -197,8 +223,17 @@ def _sizes(args: argparse.Namespace, mode: Mode) -> Sizes:
     changes: dict[str, Any] = {}
     for f in dataclasses.fields(Sizes):
         value = getattr(args, f.name)
-        if value is not None:
-            changes[f.name] = tuple(int(x) for x in value.split(",")) if f.name == "concurrency" else value
+        if value is None:
+            continue
+        if f.name == "concurrency":
+            changes[f.name] = tuple(int(x) for x in value.split(","))
+        elif f.name == "stream_modes":
+            modes = [x.strip() for x in value.split(",") if x.strip()]
+            if set(modes) - {"stream", "nonstream"}:
+                raise SystemExit(f"--stream-modes takes stream and/or nonstream, not {value!r}")
+            changes[f.name] = tuple(m == "stream" for m in modes)
+        else:
+            changes[f.name] = value
     return dataclasses.replace(mode.sizes, **changes)
 
 
@@ -256,6 +291,13 @@ async def main_async(args: argparse.Namespace) -> Path:
                      "mlx_lm_args": args.mlx_lm_arg},
     })
     print(f"[bench] results: {run.path}", file=sys.stderr, flush=True)
+    if "throughput" in selected and not args.no_bound:
+        print("[bench] measuring the bare model's bound ...", file=sys.stderr, flush=True)
+        try:
+            run.data["bound"] = await asyncio.to_thread(_bound, model, dtype, sizes, env)
+        except (subprocess.SubprocessError, ValueError) as exc:
+            run.data["errors"].append(f"bound: {exc}")
+        run.save()
 
     if "ours" in servers:
         ours_env = {**env, **_env_pairs(args.ours_env)}
@@ -370,7 +412,11 @@ def main(argv: list[str] | None = None) -> int:
     print(path)
     from bench.table import markdown
 
-    print(markdown(json.loads(path.read_text())))
+    data = json.loads(path.read_text())
+    print(markdown(data))
+    from bench.summary import compact
+
+    print(compact(data))
     return 0
 
 

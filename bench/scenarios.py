@@ -4,8 +4,10 @@ alike; what only ours has (`/v1/memory`, `PUT /v1/memory-guard`) is asked for ex
 
 from __future__ import annotations
 
+import os
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -35,6 +37,8 @@ class Sizes:
     pressure_timeout_s: float = 300.0
     pressure_deadline_s: float = 240.0  # the scenario ends here whatever is left in flight
     request_timeout_s: float = 600.0
+    throughput_repeats: int = 1  # 2: each point's first run is cold, the second warm
+    stream_modes: tuple[bool, ...] = (True,)  # (True, False): streaming and non-streaming
 
 
 def _median(values: list[float]) -> float | None:
@@ -60,13 +64,77 @@ async def warmup(server: Server, model: str, concurrency: tuple[int, ...] = (1,)
 
 
 async def throughput(server: Server, model: str, sizes: Sizes) -> list[dict[str, Any]]:
+    """Each concurrency, in each answer mode (streaming, non-streaming), `throughput_repeats`
+    times: the first run of a shape is "cold" (CUDA compiles kernels for new shapes), the
+    rest "warm". For ours, where the step's time went (`_engine_split`)."""
     points = []
     for i, c in enumerate(sizes.concurrency):
-        workload = Workload(c, sizes.prompt_tokens, sizes.max_tokens, max(c, sizes.min_requests),
-                            model=model, timeout_s=sizes.request_timeout_s, first_index=(i + 1) * 100_000)
-        report, watch = await _load(server, workload)
-        points.append({"concurrency": c, **report.summary(), "watch": watch})
+        for stream in sizes.stream_modes:
+            for rep in range(sizes.throughput_repeats):
+                workload = Workload(c, sizes.prompt_tokens, sizes.max_tokens, max(c, sizes.min_requests),
+                                    model=model, timeout_s=sizes.request_timeout_s, stream=stream,
+                                    first_index=(i + 1) * 100_000 + rep * 10_000 + (0 if stream else 5_000))
+                before = await _memory_view(server)
+                cpu_before = _cpu_s(server)
+                report, watch = await _load(server, workload)
+                after = await _memory_view(server)
+                cpu_after = _cpu_s(server)
+                summary = report.summary()
+                point = {"concurrency": c, "stream": stream, "run": "cold" if rep == 0 else "warm",
+                         **summary, "watch": watch}
+                if cpu_before and cpu_after and summary["wall_s"]:
+                    wall = summary["wall_s"]
+                    point["cpu"] = {
+                        "process_pct": round((cpu_after[0] - cpu_before[0]) / wall * 100, 1),
+                        "asyncio_thread_pct": round((cpu_after[1] - cpu_before[1]) / wall * 100, 1),
+                    }
+                if before and after:
+                    point["engine"] = _engine_split(before["engine"], after["engine"], summary["wall_s"])
+                points.append(point)
     return points
+
+
+_ENGINE_COUNTERS = ("steps", "decode_steps", "prefill_chunks", "prefill_calls", "generated_tokens",
+                    "prompt_tokens", "busy_s", "decode_wait_s", "prefill_wait_s", "queue_s", "engine_cpu_s")
+
+
+def _engine_split(before: dict[str, Any], after: dict[str, Any], wall_s: float) -> dict[str, Any]:
+    """The engine thread's time during one load: waiting for the device (decode steps,
+    prefill calls), queueing decode steps (`mx.async_eval`: launches on CUDA; on the CPU
+    MLX computes there when too many tasks are in flight), its own host work (the rest of
+    its busy time), and idle."""
+    d = {k: (after.get(k) or 0) - (before.get(k) or 0) for k in _ENGINE_COUNTERS}
+    busy = d["busy_s"]
+    waits = d["decode_wait_s"] + d["prefill_wait_s"]
+    steps = max(d["steps"], 1)
+    return {
+        **{k: round(v, 4) if isinstance(v, float) else v for k, v in d.items()},
+        "step_ms": round(busy / steps * 1e3, 3),
+        "device_wait_ms_per_step": round(waits / steps * 1e3, 3),
+        "queue_ms_per_step": round(d["queue_s"] / steps * 1e3, 3),
+        "host_ms_per_step": round((busy - waits - d["queue_s"]) / steps * 1e3, 3),
+        "host_pct_of_busy": round((busy - waits - d["queue_s"]) / busy * 100, 1) if busy else None,
+        "idle_pct": round(max(wall_s - busy, 0) / wall_s * 100, 1) if wall_s else None,
+        "chunks_per_prefill_call": round(d["prefill_chunks"] / d["prefill_calls"], 2)
+        if d["prefill_calls"] else None,
+    }
+
+
+def _cpu_s(server: Server) -> tuple[float, float] | None:
+    """(the server process's CPU seconds, its main thread's: uvicorn's asyncio loop)."""
+    proc = getattr(server, "proc", None)
+    if proc is None:
+        return None
+    try:
+        tick = os.sysconf("SC_CLK_TCK")
+
+        def read(path: str) -> float:
+            fields = Path(path).read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+
+        return read(f"/proc/{proc.pid}/stat"), read(f"/proc/{proc.pid}/task/{proc.pid}/stat")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 async def _set_guard(server: Server, enabled: bool) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -253,14 +254,21 @@ class Admission:
         allocated_kv: int,
         evictable: int,
         max_tokens: int | None = None,
+        batch: Sequence_[tuple[Sequence, int]] = (),
     ) -> ChunkPlan:
-        """Ask before the chunk; when it does not fit, halve it down to the floor first."""
+        """Ask before the chunk; when it does not fit, halve it down to the floor first.
+
+        `batch` holds the chunks already gathered for this step's prefill call: the
+        question is asked for the whole batch with this chunk added (`batch_prediction`),
+        since they run as one call. The plan returns that prediction.
+        """
         committed = self.committed_bytes(admitted, allocated_kv)
         others = self.reservation_bytes([s for s in admitted if s is not seq])
         releasable = max(others, allocated_kv - self.reservation_bytes([seq]))
         tokens = min(seq.chunk_tokens, seq.remaining_prefill, max_tokens or seq.chunk_tokens)
         while True:
-            predicted = self.chunk_prediction(seq, tokens)
+            predicted = self.batch_prediction([*batch, (seq, tokens)]) if batch else \
+                self.chunk_prediction(seq, tokens)
             decision = self._ask(
                 AdmissionQuery(
                     predicted_bytes=predicted,
@@ -287,6 +295,20 @@ class Admission:
     def recent_chunks(self) -> tuple[ChunkSample, ...]:
         """The last chunks, oldest first."""
         return self._chunks_view
+
+    def batch_prediction(self, chunks: Sequence_[tuple[Sequence, int]]) -> int:
+        """Chunks run as one right-padded call: B rows × the longest chunk, attending up to
+        the furthest row's end; never less than the chunks' own predictions summed."""
+        if len(chunks) == 1:
+            return self.chunk_prediction(*chunks[0])
+        own = sum(self.chunk_prediction(s, n) for s, n in chunks)
+        width = max(max(n, 1) for _, n in chunks)
+        end = max(s.processed + n for s, n in chunks)
+        estimate = estimate_prefill(
+            self.geometry, chunk_tokens=width, context_tokens=max(end - width, 0),
+            batch=len(chunks), backend=self.backend,
+        )
+        return max(own, self.tracker.predict(width * len(chunks), estimate.total_bytes))
 
     def chunk_prediction(self, seq: Sequence, tokens: int) -> int:
         """The chunk's transient alone (no join), as the tracker predicts it now."""

@@ -35,6 +35,11 @@ Publish = Callable[[list[RequestOutput]], None]
 # The CPU attends segment by segment anyway (gather + SDPA per group), and its memory is
 # the system's: small segments hand memory back as soon as their requests end.
 CPU_SEGMENT_TOKENS = 2048
+# A step's token budget, by default, in chunks. One: a long prompt takes the step, short
+# prompts (and prompts' last chunks) share it. On the CPU a 4-chunk budget did not raise
+# throughput and lengthened TTFT (docs/throughput.md); on a GPU, measure with
+# --max-step-tokens.
+STEP_CHUNKS = 1
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,8 @@ class EngineConfig:
     kv_block_size: int = 16
     kv_segment_tokens: int | None = None  # None: sized from the model (engine.kv.store)
     decode_overlap: bool | None = None  # None: on for CUDA (measured safe), off elsewhere (engine.runner)
+    max_step_tokens: int | None = None  # tokens per step, decode rows included (None: prefill_step_size)
+    prefill_batch: int = 8  # most prompts' chunks in one prefill model call (1: one per call)
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,7 @@ class EngineStats:
     steps: int = 0
     decode_steps: int = 0
     prefill_chunks: int = 0
+    prefill_calls: int = 0  # model calls that ran those chunks (several chunks per call)
     max_batch: int = 0
     batched_steps: int = 0
     generated_tokens: int = 0
@@ -77,6 +85,14 @@ class EngineStats:
     oom_recoveries: int = 0
     admission_checks: int = 0
     admission_s: float = 0.0
+    # Where the engine thread's time goes (bench/run.py reports it per step): busy = inside
+    # step(); of that, waiting for the device to finish decode steps and prefill calls;
+    # cpu = the thread's own CPU time (host work: graph building, bookkeeping, the GIL).
+    busy_s: float = 0.0
+    decode_wait_s: float = 0.0
+    prefill_wait_s: float = 0.0
+    queue_s: float = 0.0  # inside mx.async_eval (launches; on the CPU, compute MLX throttles)
+    engine_cpu_s: float = 0.0
     recent_chunks: tuple[ChunkSample, ...] = ()  # oldest first: prediction against measurement
     peak_bytes: int = 0  # MLX's peak active memory since start
     cache_limit_bytes: int = 0  # MLX's cache limit, as read back from MLX
@@ -132,18 +148,21 @@ class EngineCore:
         overlap = config.decode_overlap
         if overlap is None:
             overlap = loaded.backend == "cuda"
-        self.batch = Runner(self.model, self.store, overlap=overlap)
+        self.batch = Runner(self.model, self.store, overlap=overlap, prefill_batch=config.prefill_batch)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
         self.inbox: queue.SimpleQueue[_Submit | _Abort | _Call | None] = queue.SimpleQueue()
         self.stats = EngineStats()
         self._counters = dict(
-            steps=0, decode_steps=0, prefill_chunks=0, batched_steps=0,
+            steps=0, decode_steps=0, prefill_chunks=0, prefill_calls=0, batched_steps=0,
             generated_tokens=0, prompt_tokens=0, preemptions=0, oom_recoveries=0,
         )
         self._stop = False
         self._outputs: list[RequestOutput] = []
         self._prefilling_now: Sequence | None = None
+        self._prefilling_batch: list[Sequence] = []  # the chunks of the prefill call in flight
+        self._busy_s = 0.0  # wall time inside step()
+        self._cpu_s = 0.0  # the engine thread's CPU time inside step()
         # Tensor parallel (engine.distributed): every rank steps in lockstep with rank 0,
         # on rank 0's clock. None and the wall clock on a single device.
         self.lockstep: Any = None
@@ -184,6 +203,7 @@ class EngineCore:
         if self.lockstep is not None and not self.lockstep.before_step(self):
             self._stop = True
             return False
+        started, cpu_started = time.perf_counter(), time.thread_time()
         chunks_before = self._counters["prefill_chunks"]
         try:
             self._schedule_waiting()
@@ -196,7 +216,8 @@ class EngineCore:
             self._refuse_unprobed(victim, exc)
         except RuntimeError as exc:
             victim, self._prefilling_now = self._prefilling_now, None
-            self._recover_from_device_oom(exc, [victim] if victim else [])
+            victims, self._prefilling_batch = self._prefilling_batch, []
+            self._recover_from_device_oom(exc, victims or ([victim] if victim else []))
         try:
             self._decode()
         except RuntimeError as exc:
@@ -206,6 +227,8 @@ class EngineCore:
         progressed = bool(self._outputs or len(self.batch))
         if progressed or self._counters["prefill_chunks"] != chunks_before:
             self._counters["steps"] += 1  # steps that did work: an idle wake-up is not one
+        self._busy_s += time.perf_counter() - started
+        self._cpu_s += time.thread_time() - cpu_started
         self._publish_stats()
         if self.lockstep is not None:
             self.lockstep.after_step(self)
@@ -360,30 +383,74 @@ class EngineCore:
 
     # ---- prefill ---------------------------------------------------------------------
     def _prefill(self) -> None:
-        """Run up to `prefill_step_size` prompt tokens this step, first come first served:
-        several short prompts share a step, a long one takes it all, in chunks."""
-        budget = self.config.prefill_step_size
-        while self.prefilling and budget > 0:
-            seq = self._prefilling_now = self.prefilling[0]
-            if seq.remaining_prefill > 0:
-                plan = self.admission.plan_chunk(
-                    seq, self._admitted(), self._allocated_kv(),
-                    self.prefix_cache.evictable_bytes(self._protected()),
-                    max_tokens=budget,
-                )
-                if not self._act_on(seq, plan.decision, self.clock()):
-                    if seq not in self.prefilling:
-                        continue  # refused: the next one may fit
-                    if (not len(self.batch) and plan.decision.code == CODE_WAITING
-                            and self._preempt_youngest_prefill(seq)):
-                        continue  # memory was handed back: ask again (not for an unreadable probe)
-                    return  # it waits, and so does everyone behind it
-                seq.wait_since = None
-                self._run_chunk(seq, plan.tokens)
-                budget -= plan.tokens
-            if seq.remaining_prefill == 0:
+        """This step's prefill: chunks of the prefilling prompts, first come first served,
+        under the step's token budget, run together (several prompts per model call).
+
+        The budget is `max_step_tokens` (default: `prefill_step_size`) less one token per
+        decoding row, as vLLM's scheduler counts it, but never below the smallest chunk:
+        waiting prompts always move. Each round gathers at most one chunk per prompt and
+        runs them as one batch; while budget is left (a chunk was halved under memory
+        pressure, a prompt finished), another round follows, so a lone prompt takes the
+        step's whole budget in several chunks, as before batching.
+        """
+        step_tokens = self.config.max_step_tokens or STEP_CHUNKS * self.config.prefill_step_size
+        budget = max(step_tokens - len(self.batch), self.config.min_chunk_tokens)
+        while budget > 0:
+            planned, predicted, stopped = self._gather_chunks(budget)
+            if planned:
+                self._prefilling_batch = [s for s, _ in planned]
+                self._run_chunks(planned, predicted)
+                self._prefilling_batch = []
+                budget -= sum(n for _, n in planned)
+            for seq in [s for s in self.prefilling if s.remaining_prefill == 0]:
                 self._join_batch(seq)
+            if not planned or stopped:
+                return
+
+    def _gather_chunks(self, budget: int) -> tuple[list[tuple[Sequence, int]], int, bool]:
+        """One chunk per prompt while `budget` lasts, each admitted for the batch so far.
+
+        Returns the chunks, their batch's prediction, and whether a prompt had to wait (a
+        chunk that does not fit beside the batch is no WAIT decision: it is asked again in
+        the next round or step; one that does not fit alone waits, and everyone behind it).
+        """
+        planned: list[tuple[Sequence, int]] = []
+        predicted = 0
+        i = 0
+        while i < len(self.prefilling) and budget > 0:
+            seq = self._prefilling_now = self.prefilling[i]
+            if seq.remaining_prefill == 0:
+                i += 1  # a prefix hit covered it: it joins
+                continue
+            allow = budget
+            if 0 < seq.remaining_prefill - budget < self.config.min_chunk_tokens:
+                # Finish the prompt rather than leave a few tokens for a step of their own
+                # (the decode rows' share of the budget would otherwise cut 1,000-token
+                # prompts into 985 + 15, and rows of unequal length need an array mask).
+                allow = seq.remaining_prefill
+            plan = self.admission.plan_chunk(
+                seq, self._admitted(), self._allocated_kv(),
+                self.prefix_cache.evictable_bytes(self._protected()),
+                max_tokens=allow, batch=planned,
+            )
+            if planned and plan.decision.outcome is Outcome.WAIT:
+                break  # no room beside this batch: asked again in the next round
+            if not self._act_on(seq, plan.decision, self.clock()):
+                if seq not in self.prefilling:
+                    continue  # refused: the next one may fit
+                if (not planned and not len(self.batch) and plan.decision.code == CODE_WAITING
+                        and self._preempt_youngest_prefill(seq)):
+                    i = self.prefilling.index(seq)
+                    continue  # memory was handed back: ask again (not for an unreadable probe)
+                self._prefilling_now = None
+                return planned, predicted, True  # it waits, and so does everyone behind it
+            seq.wait_since = None
+            planned.append((seq, plan.tokens))
+            predicted = plan.predicted_bytes
+            budget -= plan.tokens
+            i += 1
         self._prefilling_now = None
+        return planned, predicted, False
 
     def _preempt_youngest_prefill(self, head: Sequence) -> bool:
         """Break a wait that nothing would end: the head of the prefill queue waits for
@@ -406,15 +473,18 @@ class EngineCore:
         log.info("preempted request %s to let %s prefill", seq.request_id, head.request_id)
         return True
 
-    def _run_chunk(self, seq: Sequence, tokens: int) -> None:
-        predicted = self.admission.chunk_prediction(seq, tokens)  # before the tracker learns
+    def _run_chunks(self, chunks: list[tuple[Sequence, int]], predicted: int) -> None:
+        """Run the step's chunks, several prompts per model call, and let the tracker
+        learn what the step's batch took against what was predicted for it."""
+        tokens = sum(n for _, n in chunks)
         active_before = mx.get_active_memory()
         self.admission.reset_peak()
-        self.batch.prefill_chunk(seq, tokens)
+        self._counters["prefill_calls"] += self.batch.prefill(chunks)
         self.admission.observe_chunk(tokens, max(mx.get_peak_memory() - active_before, 0), predicted)
         # No clear_cache here: the guard has memory handed back when admission needs room.
-        seq.processed += tokens
-        self._counters["prefill_chunks"] += 1
+        for seq, n in chunks:
+            seq.processed += n
+        self._counters["prefill_chunks"] += len(chunks)
         self._counters["prompt_tokens"] += tokens
 
     def _join_batch(self, seq: Sequence) -> None:
@@ -568,6 +638,7 @@ class EngineCore:
             steps=c["steps"],
             decode_steps=c["decode_steps"],
             prefill_chunks=c["prefill_chunks"],
+            prefill_calls=c["prefill_calls"],
             max_batch=self.batch.max_batch_seen,
             batched_steps=c["batched_steps"],
             generated_tokens=c["generated_tokens"],
@@ -576,6 +647,11 @@ class EngineCore:
             oom_recoveries=c["oom_recoveries"],
             admission_checks=self.admission.checks,
             admission_s=round(self.admission.check_seconds, 6),
+            busy_s=round(self._busy_s, 6),
+            decode_wait_s=round(self.batch.decode_wait_s, 6),
+            prefill_wait_s=round(self.batch.prefill_wait_s, 6),
+            queue_s=round(self.batch.queue_s, 6),
+            engine_cpu_s=round(self._cpu_s, 6),
             recent_chunks=self.admission.recent_chunks(),
             peak_bytes=self.admission.lifetime_peak_bytes(),
             cache_limit_bytes=self.admission.cache_limit_bytes,

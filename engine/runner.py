@@ -1,4 +1,5 @@
-"""The model calls themselves: a prefill chunk for one request, a decode step for the batch.
+"""The model calls themselves: prefill chunks (several requests per call), a decode step for
+the batch.
 
 KV lives in the engine's `KVStore`; the runner only names which request's blocks a call
 reads and writes. A request joins the batch with no model call of its own: its last
@@ -17,6 +18,7 @@ and the engine picks per backend (`EngineConfig.decode_overlap`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.kv import KVStore, decode_caches, plan_decode, prefill_caches
+from engine.kv.prefill import PrefillRow, batch_prefill_caches, group_by_segment, plan_prefill
 from engine.request import TokenLogprob
 from engine.sampling import BatchSampler, SampledStep
 from engine.sequence import Sequence
@@ -38,15 +41,23 @@ class StepToken:
 
 
 class Runner:
-    def __init__(self, model: Any, store: KVStore, *, overlap: bool = False) -> None:
+    def __init__(
+        self, model: Any, store: KVStore, *, overlap: bool = False, prefill_batch: int = 8,
+    ) -> None:
         self.model = model
         self.store = store
         self.overlap = overlap
+        self.prefill_batch = max(prefill_batch, 1)  # most chunks in one prefill call
         self.seqs: list[Sequence] = []  # the batch; rows [0, len(pending)) have a token in flight
         self.pending: SampledStep | None = None
         self.fresh: list[int] = []  # last prompt token of each row that joined since the last step
         self.sampler = BatchSampler([])
         self.max_batch_seen = 0
+        # Seconds the engine thread sat waiting for the device (reading a step's tokens,
+        # evaluating a prefill call): the rest of its busy time is host work.
+        self.decode_wait_s = 0.0
+        self.prefill_wait_s = 0.0
+        self.queue_s = 0.0  # inside mx.async_eval of decode steps (see _queue)
         # Tensor parallel: every rank feeds back rank 0's tokens (engine.distributed).
         self.agree: Callable[[SampledStep], SampledStep] | None = None
 
@@ -56,16 +67,42 @@ class Runner:
     # ---- prefill ---------------------------------------------------------------------
     def prefill_chunk(self, seq: Sequence, tokens: int) -> None:
         """Run prompt tokens [processed, processed + tokens) into the request's own blocks."""
-        alloc = self.store.get(seq.request_id)
-        start = alloc.length
-        chunk = mx.array(seq.request.prompt_tokens[start : start + tokens])[None]
-        self.model(chunk, cache=prefill_caches(self.store, alloc, tokens))
-        # The chunk writes into a segment the queued decode step may still read: let that
-        # step finish first, or MLX would copy the segment's arrays instead of writing.
-        if self.pending is not None:
-            mx.eval(*self.pending.arrays())
-        mx.eval(alloc.segment.arrays())
-        self.store.advance(seq.request_id, tokens)
+        self.prefill([(seq, tokens)])
+
+    def prefill(self, chunks: Seq[tuple[Sequence, int]]) -> int:
+        """Run each request's next `tokens` prompt tokens, several requests per model call.
+
+        Chunks living in one segment share a call (`engine.kv.prefill`), up to
+        `prefill_batch` of them; a lone chunk keeps the single-request path (no padding,
+        the "causal" mask). Returns the number of model calls made.
+        """
+        rows = []
+        for seq, tokens in chunks:
+            alloc = self.store.get(seq.request_id)
+            start = alloc.length
+            rows.append(PrefillRow(alloc, tuple(seq.request.prompt_tokens[start : start + tokens])))
+        layers = self.store.geometry.num_layers
+        calls = 0
+        for group in group_by_segment(rows) if self.prefill_batch > 1 else [[r] for r in rows]:
+            for part in _batches(group, self.prefill_batch):
+                if len(part) == 1:
+                    r = part[0]
+                    chunk = mx.array(r.tokens)[None]
+                    self.model(chunk, cache=prefill_caches(self.store, r.alloc, len(r.tokens)))
+                else:
+                    plan = plan_prefill(self.store, part)
+                    self.model(plan.inputs, cache=batch_prefill_caches(plan, layers))
+                calls += 1
+                # The chunk writes into a segment the queued decode step may still read:
+                # let that step finish first, or MLX would copy the segment's arrays.
+                started = time.perf_counter()
+                if self.pending is not None:
+                    mx.eval(*self.pending.arrays())
+                mx.eval(part[0].alloc.segment.arrays())
+                self.prefill_wait_s += time.perf_counter() - started
+        for seq, tokens in chunks:
+            self.store.advance(seq.request_id, tokens)
+        return calls
 
     # ---- the batch -------------------------------------------------------------------
     def join(self, seq: Sequence) -> None:
@@ -92,13 +129,13 @@ class Runner:
             return self._step_with_feedback(current, logits, steps)
         self.pending = self._sample(logits, steps)
         if current is None or self.overlap:
-            mx.async_eval(*self.pending.arrays())
+            self._queue(self.pending)
         if current is None:
             return []
         emitting = self.seqs[:n_current]
-        tokens = current.tokens.tolist()
+        tokens = self._read_tokens(current)
         if not self.overlap:
-            mx.async_eval(*self.pending.arrays())
+            self._queue(self.pending)
         logprobs = _read_logprobs(current, emitting)
         return [
             StepToken(seq, tok, logprobs[i] if logprobs else None)
@@ -116,10 +153,10 @@ class Runner:
         mask: read the previous step's tokens first (which also lets that step finish before
         this one writes the pool), hand them to the rows' processors, then sample. Rows that
         joined this step have emitted nothing yet; their first sample needs no feedback."""
-        tokens = current.tokens.tolist() if current is not None else []
+        tokens = self._read_tokens(current) if current is not None else []
         self.sampler.accept(tokens)
         self.pending = self._sample(logits, steps)
-        mx.async_eval(*self.pending.arrays())
+        self._queue(self.pending)
         if current is None:
             return []
         emitting = self.seqs[: len(tokens)]
@@ -128,6 +165,20 @@ class Runner:
             StepToken(seq, tok, logprobs[i] if logprobs else None)
             for i, (seq, tok) in enumerate(zip(emitting, tokens, strict=True))
         ]
+
+    def _queue(self, step: SampledStep) -> None:
+        """Queue a decode step. On CUDA this is launch work; MLX also blocks here while too
+        many tasks are in flight, which on the CPU backend means computing the step."""
+        started = time.perf_counter()
+        mx.async_eval(*step.arrays())
+        self.queue_s += time.perf_counter() - started
+
+    def _read_tokens(self, step: SampledStep) -> list[int]:
+        """The host sync of a decode step: its time is the device's, not the host's."""
+        started = time.perf_counter()
+        tokens: list[int] = step.tokens.tolist()
+        self.decode_wait_s += time.perf_counter() - started
+        return tokens
 
     def _inputs(self, current: SampledStep | None) -> mx.array:
         fresh = mx.array(self.fresh, dtype=mx.uint32) if self.fresh else None
@@ -159,6 +210,10 @@ class Runner:
                     None if p.top_logprobs is None else p.top_logprobs[idx],
                 )
         self.sampler = BatchSampler([s.request.sampling for s in self.seqs])
+
+
+def _batches(rows: list[PrefillRow], size: int) -> list[list[PrefillRow]]:
+    return [rows[i : i + size] for i in range(0, len(rows), size)]
 
 
 def _read_logprobs(step: SampledStep, seqs: list[Sequence]) -> list[TokenLogprob | None]:

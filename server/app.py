@@ -68,6 +68,8 @@ def engine_config(settings: Settings) -> EngineConfig:
         prefix_cache_bytes=settings.prefix_cache_bytes,
         prefix_cache_entries=settings.prefix_cache_entries,
         min_chunk_tokens=settings.min_prefill_chunk,
+        max_step_tokens=settings.max_step_tokens,
+        prefill_batch=settings.prefill_batch,
     )
 
 

@@ -63,6 +63,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-concurrency", type=int)
     serve.add_argument("--max-queue", type=int)
     serve.add_argument("--prefill-step-size", type=int)
+    serve.add_argument("--max-step-tokens", type=int,
+                       help="tokens per engine step, one per decoding row plus prefill chunks "
+                       "(default: the prefill step size)")
+    serve.add_argument("--prefill-batch", type=int,
+                       help="most prompts' chunks one prefill model call takes (default 8; 1: one each)")
     serve.add_argument("--memory-tier", choices=["safe", "balanced", "aggressive", "custom"])
     serve.add_argument("--memory-ceiling-bytes", type=int)
     serve.add_argument("--memory-probe", choices=["auto", "macos", "linux", "cuda", "allocator"])

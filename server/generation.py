@@ -143,17 +143,33 @@ class Generation:
             except Exception as exc:
                 self.close()
                 raise from_engine_error(exc) from exc
-        self._pumps = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(self._streams)]
+        # One choice (the common case) is read straight from its engine stream: no pump
+        # task and no second queue hop per token. Several choices are merged by pumps.
+        self._direct = len(self._streams) == 1
+        if not self._direct:
+            self._pumps = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(self._streams)]
         if timeout_s is not None:
             self._deadline = asyncio.get_running_loop().call_later(timeout_s, self._expire, timeout_s)
 
     def _expire(self, timeout_s: float) -> None:
         """The deadline passed: the error goes first in the feed, then the engine lets go."""
-        self._feed.put_nowait((-1, RequestTimeout(
+        error = RequestTimeout(
             f"the request did not finish within this server's limit of {timeout_s:g} s",
             code="request_timeout",
-        )))
+        )
+        if self._direct:
+            self._streams[0]._put(error)
+        else:
+            self._feed.put_nowait((-1, error))
         self.close()
+
+    async def _next(self) -> tuple[int, RequestOutput | BaseException] | object:
+        if not self._direct:
+            return await self._feed.get()
+        try:
+            return 0, await self._streams[0].next()
+        except Exception as exc:  # handed to events() as the pumps hand it over
+            return 0, exc
 
     async def _pump(self, index: int, stream: RequestStream) -> None:
         try:
@@ -171,7 +187,7 @@ class Generation:
         Raises the first engine error as an APIError.
         """
         while any(c.finish_reason is None for c in self.choices):
-            item = await self._feed.get()
+            item = await self._next()
             if item is _DONE:
                 continue
             index, output = item  # type: ignore[misc]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -12,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine import TokenLogprob
-from server import anthropic
+from server import anthropic, fastjson
 from server.chat_plan import ChatPlan, plan_chat
 from server.errors import APIError, BadRequest, NotFound
 from server.generation import ChoiceResult, Generation, gather, prepare
@@ -45,7 +44,7 @@ def _check_model(state: ServerState, name: str) -> None:
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + fastjson.dumps(payload) + b"\n\n"
 
 
 def _token_text(tokenizer: Any, token: int) -> str:

@@ -35,6 +35,10 @@ class Settings(BaseSettings):
     max_queue: int = Field(256, ge=0, description="requests waiting beyond max_concurrency")
     prefill_step_size: int = Field(512, ge=16)
     min_prefill_chunk: int = Field(32, ge=1)
+    # throughput (issue 17): tokens per engine step, decode rows included (None: prefill_step_size),
+    # and the most prompts' chunks one prefill model call takes
+    max_step_tokens: int | None = Field(None, ge=16)
+    prefill_batch: int = Field(8, ge=1)
     default_max_tokens: int = Field(512, ge=1)
     max_tokens_cap: int = Field(32768, ge=1)
     shutdown_grace_s: float = Field(30.0, ge=0)

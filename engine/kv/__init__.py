@@ -3,6 +3,7 @@
     store.py        segments, block tables, reservations, prefix holds, bytes
     blocks.py       free lists and reference counts (pure Python)
     cache.py        the per-layer cache objects mlx-lm's model code calls
+    prefill.py      batched prefill: several requests' chunks in one right-padded call
     attention.py    the rebound attention: CUDA kernel or plain-MLX fallback
     cuda_decode.py  the paged decode kernel (`mx.fast.cuda_kernel`)
 

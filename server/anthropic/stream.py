@@ -15,10 +15,10 @@ message then equals the non-streamed one.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from server import fastjson
 from server.anthropic.blocks import BlockStream
 from server.anthropic.errors import error_body
 from server.anthropic.message import message_shell, stop_fields, usage
@@ -28,7 +28,7 @@ from server.tools import ToolCallParser
 
 
 def sse(event: str, data: dict[str, Any]) -> bytes:
-    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+    return b"event: " + event.encode() + b"\ndata: " + fastjson.dumps(data) + b"\n\n"
 
 
 async def _events(generation: Generation, first: Any) -> AsyncIterator[Any]:

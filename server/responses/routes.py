@@ -11,7 +11,6 @@ its `sequence_number`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from server import fastjson
 from server.chat_plan import plan_chat
 from server.errors import APIError, BadRequest, NotFound
 from server.generation import Generation, gather, prepare
@@ -63,8 +63,7 @@ def _store(request: Request) -> ResponseStore:
 
 
 def _sse(event: dict[str, Any]) -> bytes:
-    data = json.dumps(event, separators=(",", ":"))
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
+    return b"event: " + event["type"].encode() + b"\ndata: " + fastjson.dumps(event) + b"\n\n"
 
 
 @router.post("/v1/responses", response_model=None)

@@ -104,6 +104,8 @@ def test_batch_with_joins_and_leaves_matches_each_request_alone(make_engine):
         h.submit(r)
     h.run_until(lambda: h.out.finished.keys() >= {r.request_id for r in reqs})
     assert h.core.stats.max_batch >= 5
+    # several prompts' chunks shared a model call (batched prefill), mixed with decode steps
+    assert h.core.stats.prefill_calls < h.core.stats.prefill_chunks
     for r in reqs:
         tokens, logprobs = alone[r.request_id]
         assert h.out.tokens[r.request_id] == tokens, r.request_id

@@ -1,0 +1,137 @@
+"""The bare model's bound for a throughput point, measured on this machine in this run.
+
+    python -m bench.bound --model tiny --dtype float32 --prompt-tokens 1000 --max-tokens 256 \\
+        --concurrency 1,8,32,64
+
+No server, no engine, no KV store: mlx-lm's model with its own contiguous `KVCache`.
+
+- **Prefill rate**: B prompts of P tokens in one call, for B in 1, 2, 4, 8 (and each
+  concurrency up to 8), timed on the second run of each shape (the first compiles kernels
+  on CUDA), evaluating the caches only (as serving does: no logits for the prompt).
+  The best tokens/s over B is "the bare model's best batched prefill rate".
+- **Decode step**: one token per row at batch C, the context at P + T/2 (the middle of
+  the decode), unmasked (equal lengths, a batched `KVCache`), argmax sampling, pipelined
+  with `mx.async_eval` as mlx-lm does. Median of the timed steps.
+- **Bound** for C concurrent requests (issue 17): C·P tokens at the best prefill rate, plus
+  T decode steps at batch C; a point of R requests runs ceil(R / C) such waves. Output
+  tokens over that time is the bound in tokens/s.
+
+Prints one JSON object (bench/run.py stores it beside the throughput points).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from engine.dummy_model import build_dummy_model, dummy_config
+
+
+def _prefill_s(model: Any, batch: int, tokens: int, chunk: int) -> float:
+    x = mx.random.randint(0, 200, (batch, tokens)).astype(mx.uint32)
+    mx.eval(x)
+    runs = []
+    for _ in range(3):  # the first compiles (CUDA); the best of the others is timed
+        cache = make_prompt_cache(model)
+        mx.synchronize()
+        start = time.perf_counter()
+        for s in range(0, tokens, chunk):
+            model(x[:, s:s + chunk], cache=cache)
+            mx.eval([(c.keys, c.values) for c in cache])
+        runs.append(time.perf_counter() - start)
+        del cache
+        mx.clear_cache()
+    return min(runs[1:])
+
+
+def _decode_step_s(model: Any, batch: int, context: int, steps: int) -> float:
+    cache = make_prompt_cache(model)
+    one = mx.random.randint(0, 200, (1, context)).astype(mx.uint32)
+    for s in range(0, context, 2048):
+        model(one[:, s:s + 2048], cache=cache)
+        mx.eval([(c.keys, c.values) for c in cache])
+    for c in cache:  # the same context for every row: no padding, no mask
+        n = c.offset
+        c.keys = mx.repeat(c.keys[..., :n, :], batch, axis=0)
+        c.values = mx.repeat(c.values[..., :n, :], batch, axis=0)
+    mx.eval([(c.keys, c.values) for c in cache])
+    y = mx.zeros((batch,), mx.uint32)
+    for _ in range(3):
+        y = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1).astype(mx.uint32)
+        mx.eval(y)
+    times = []
+    last = time.perf_counter()
+    for _ in range(steps):
+        nxt = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1).astype(mx.uint32)
+        mx.async_eval(nxt)
+        y.tolist()
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+        y = nxt
+    mx.eval(y)
+    del cache
+    mx.clear_cache()
+    return statistics.median(times[1:])
+
+
+def measure(model: Any, *, prompt_tokens: int, max_tokens: int, concurrency: list[int],
+            prefill_chunk: int, decode_steps: int) -> dict[str, Any]:
+    started = time.monotonic()
+    prefill = []
+    for b in sorted({1, 2, 4, 8} | {c for c in concurrency if c <= 8}):
+        s = _prefill_s(model, b, prompt_tokens, prefill_chunk)
+        prefill.append({"batch": b, "s": round(s, 4), "tok_s": round(b * prompt_tokens / s, 1)})
+    best = max(prefill, key=lambda p: p["tok_s"])
+    context = prompt_tokens + max_tokens // 2
+    decode = {}
+    for c in concurrency:
+        decode[c] = _decode_step_s(model, c, context, decode_steps)
+    return {
+        "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "prefill_chunk": prefill_chunk,
+        "prefill": prefill, "best_prefill_tok_s": best["tok_s"], "best_prefill_batch": best["batch"],
+        "decode_context": context,
+        "decode_step_ms": {str(c): round(s * 1e3, 3) for c, s in decode.items()},
+        "measured_s": round(time.monotonic() - started, 1),
+    }
+
+
+def bound(b: dict[str, Any], concurrency: int, requests: int) -> dict[str, float]:
+    """The bare model's time and tokens/s for `requests` requests at `concurrency`."""
+    step = b["decode_step_ms"][str(concurrency)] / 1e3
+    waves = math.ceil(requests / concurrency)
+    prefill_s = concurrency * b["prompt_tokens"] / b["best_prefill_tok_s"]
+    wave_s = prefill_s + b["max_tokens"] * step
+    total = waves * wave_s
+    return {"bound_s": round(total, 3), "bound_tok_s": round(requests * b["max_tokens"] / total, 2),
+            "bound_prefill_s": round(prefill_s, 3), "bound_decode_step_ms": round(step * 1e3, 3),
+            "bound_ttft_p50_s": round(prefill_s / 2, 3)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--dtype")
+    p.add_argument("--prompt-tokens", type=int, default=1000)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--prefill-chunk", type=int, default=2048)
+    p.add_argument("--decode-steps", type=int, default=40)
+    args = p.parse_args()
+    model = build_dummy_model(dummy_config(args.model, args.dtype))
+    mx.eval(model.parameters())
+    out = measure(model, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
+                  concurrency=[int(c) for c in args.concurrency.split(",")],
+                  prefill_chunk=args.prefill_chunk, decode_steps=args.decode_steps)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Batched prefill: several requests' prompt chunks in one model call, over the KV store.
+
+Rows are right-padded to the longest chunk of the call: ``tokens`` is ``[B, T]``, row
+``b`` holds ``lengths[b]`` real tokens that continue its request at position
+``starts[b]``. Per layer, `BatchPrefillCache`
+
+- writes only the real tokens into each row's own blocks (one scatter: padded positions
+  never touch the pool, so a row whose reservation ends at its chunk is safe);
+- returns every row's K/V gathered from position 0 up to its chunk's end, in SDPA's
+  ``[B, H, L, D]`` layout (L = the longest row's end; shorter rows read their first slot
+  as filler, masked out);
+- supplies a per-row mask (row b's query t sees keys ``j <= starts[b] + t`` that are
+  real) and per-row RoPE offsets (``starts``), which `mx.fast.rope` takes as an array.
+  When every row has the same start and length (no padding), the mask is SDPA's
+  "causal", which keeps the fused kernel on backends that have one.
+
+The attention itself is mlx-lm's ordinary masked SDPA. A batch of one keeps the
+single-request `PrefillCache` ("causal" mask, no padding): the fused path where a backend
+has one. All rows of one call live in one segment; `group_by_segment` splits a step's
+chunks accordingly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from engine.kv.store import Allocation, KVStore, Segment
+
+
+@dataclass(frozen=True)
+class PrefillRow:
+    alloc: Allocation
+    tokens: tuple[int, ...]  # this chunk's prompt tokens (continuing at alloc.length)
+
+
+@dataclass
+class PrefillPlan:
+    """Index arrays of one batched prefill call, built once and shared by every layer."""
+
+    segment: Segment
+    inputs: mx.array  # [B, T] uint32, right-padded with 0
+    starts: mx.array  # [B] int32: position of each row's first chunk token (RoPE offset)
+    valid: mx.array  # [N] int32: real tokens' indices into the flattened [B × T]
+    write: mx.array  # [N] int32: their slots in the segment
+    read: mx.array  # [B, H, L] int32: rows of the pool seen as [slots × H, D]
+    mask: mx.array | str  # [B, 1, T, L] bool; "causal" when every row is the same shape
+
+
+def plan_prefill(store: KVStore, rows: Seq[PrefillRow]) -> PrefillPlan:
+    if not rows:
+        raise ValueError("a prefill call needs at least one row")
+    segment = rows[0].alloc.segment
+    if any(r.alloc.segment is not segment for r in rows):
+        raise ValueError("one prefill call reads one segment; group rows with group_by_segment")
+    bs, heads = store.block_size, store.geometry.num_kv_heads
+    b = len(rows)
+    t = max(len(r.tokens) for r in rows)
+    starts = np.asarray([r.alloc.length for r in rows], dtype=np.int64)
+    lengths = np.asarray([len(r.tokens) for r in rows], dtype=np.int64)
+    ends = starts + lengths
+    width = int(ends.max())
+    inputs = np.zeros((b, t), dtype=np.uint32)
+    valid: list[np.ndarray] = []
+    write: list[np.ndarray] = []
+    slots = np.empty((b, width), dtype=np.int64)
+    for i, r in enumerate(rows):
+        inputs[i, : lengths[i]] = r.tokens
+        table = np.asarray(r.alloc.table, dtype=np.int64)
+        pos = np.arange(ends[i])
+        own = table[pos // bs] * bs + pos % bs
+        slots[i, : ends[i]] = own
+        slots[i, ends[i]:] = own[0] if len(own) else 0  # filler, masked out below
+        valid.append(i * t + np.arange(lengths[i]))
+        write.append(own[starts[i]:])
+    read = slots[:, None, :] * heads + np.arange(heads)[None, :, None]
+    mask: mx.array | str
+    if (lengths == t).all() and (starts == starts[0]).all():
+        # Rows of one shape (prompts of one length, say): SDPA's own causal mask aligns
+        # the queries to the end of the keys, which is exactly right, and keeps the fused
+        # kernel where the backend has one (an array mask falls off it on CUDA).
+        mask = "causal"
+    else:
+        q = np.arange(t)[None, :, None]
+        k = np.arange(width)[None, None, :]
+        mask = mx.array(((k <= starts[:, None, None] + q) & (k < ends[:, None, None]))[:, None, :, :])
+    return PrefillPlan(
+        segment=segment,
+        inputs=mx.array(inputs),
+        starts=mx.array(starts.astype(np.int32)),
+        valid=mx.array(np.concatenate(valid).astype(np.int32)),
+        write=mx.array(np.concatenate(write).astype(np.int32)),
+        read=mx.array(read.astype(np.int32)),
+        mask=mask,
+    )
+
+
+class BatchPrefillCache:
+    """One layer's view of a batched prefill call (see the module docstring)."""
+
+    def __init__(self, plan: PrefillPlan, layer: int) -> None:
+        self.plan = plan
+        self.layer = layer
+        self.offset = plan.starts
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        b, heads, t, dim = keys.shape
+        plan, seg, layer = self.plan, self.plan.segment, self.layer
+        k = keys.transpose(0, 2, 1, 3).reshape(b * t, heads, dim)[plan.valid]
+        v = values.transpose(0, 2, 1, 3).reshape(b * t, heads, dim)[plan.valid]
+        seg.keys[layer][plan.write] = k
+        seg.values[layer][plan.write] = v
+        slots = seg.keys[layer].shape[0]
+        return (
+            seg.keys[layer].reshape(slots * heads, dim)[plan.read],
+            seg.values[layer].reshape(slots * heads, dim)[plan.read],
+        )
+
+    def make_mask(
+        self, n: int, return_array: bool = False, window_size: int | None = None
+    ) -> mx.array | str:
+        if window_size is not None:
+            raise ValueError("the paged KV store does not serve sliding-window attention")
+        return self.plan.mask
+
+
+def batch_prefill_caches(plan: PrefillPlan, num_layers: int) -> list[BatchPrefillCache]:
+    return [BatchPrefillCache(plan, layer) for layer in range(num_layers)]
+
+
+def group_by_segment(rows: Seq[PrefillRow]) -> list[list[PrefillRow]]:
+    """Rows in call order, grouped by the segment they live in (first appearance first)."""
+    groups: dict[int, list[PrefillRow]] = {}
+    for r in rows:
+        groups.setdefault(r.alloc.segment.id, []).append(r)
+    return list(groups.values())

@@ -1,0 +1,26 @@
+"""JSON encoding on the streaming hot path: one call per SSE chunk, per token, per stream.
+
+`orjson` encodes straight to UTF-8 bytes, several times faster than `json.dumps` plus
+`.encode()`, and it runs on the asyncio thread, which shares the GIL with the engine
+thread: every microsecond here is one the engine's step cannot use. Output is compact
+JSON with non-ASCII characters as UTF-8 (valid JSON either way). Non-finite floats
+(a logprob of -inf for a token a grammar forbids) become null, where `json.dumps` would
+write the invalid `-Infinity`. Where orjson is not installed (a hand-staged machine), the
+standard library's encoder stands in, compact.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+try:
+    import orjson
+except ImportError:  # pragma: no cover - orjson is a dependency; this keeps a bare box serving
+    orjson = None  # type: ignore[assignment]
+
+
+def dumps(obj: Any) -> bytes:
+    if orjson is not None:
+        return orjson.dumps(obj)
+    return json.dumps(obj, separators=(",", ":")).encode()
