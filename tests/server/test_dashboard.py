@@ -70,7 +70,8 @@ def test_no_external_urls_in_dashboard_files(path):
 
 def test_every_referenced_asset_is_local_and_served(server):
     refs = parse_index().refs
-    assert sorted(refs) == ["app.js", "chart.js", "favicon.svg", "guard.js", "models.js", "style.css", "util.js"]
+    assert sorted(refs) == ["app.js", "chart.js", "favicon.svg", "guard.js", "models.js", "style.css",
+                            "util.js"]
     base = f"{server.url}/dashboard/"
     for ref in refs:
         assert not ref.startswith(("/", "http:", "https:", "data:")), ref
