@@ -6,7 +6,8 @@ thread: every microsecond here is one the engine's step cannot use. Output is co
 JSON with non-ASCII characters as UTF-8 (valid JSON either way). Non-finite floats
 (a logprob of -inf for a token a grammar forbids) become null, where `json.dumps` would
 write the invalid `-Infinity`. Where orjson is not installed (a hand-staged machine), the
-standard library's encoder stands in, compact.
+standard library's encoder stands in, compact; it also writes what orjson refuses (an
+integer beyond 64 bits that a client sent and a response echoes).
 """
 
 from __future__ import annotations
@@ -22,5 +23,8 @@ except ImportError:  # pragma: no cover - orjson is a dependency; this keeps a b
 
 def dumps(obj: Any) -> bytes:
     if orjson is not None:
-        return orjson.dumps(obj)
-    return json.dumps(obj, separators=(",", ":")).encode()
+        try:
+            return orjson.dumps(obj)
+        except TypeError:  # an integer beyond 64 bits echoed from a request: json can write it
+            pass
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()

@@ -107,6 +107,20 @@ def test_text_stream_events_come_in_the_documented_order(server):
     assert events[-4]["text"] == text and events[-1]["response"]["output"][0]["content"][0]["text"] == text
 
 
+def test_a_stream_echoing_an_integer_beyond_64_bits_is_served(server):
+    # Found by the fuzz test: a tool schema's 2**70 bound, echoed in response.created, made
+    # orjson raise mid-stream (a 500 after the 200).
+    tool = {"type": "function", "name": "count", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "maximum": 2**70}}}}
+    with httpx.stream("POST", server.url + "/v1/responses", timeout=60, json={
+            "model": MODEL, "input": "Hi", "stream": True, "max_output_tokens": 4, "tools": [tool],
+            "tool_choice": "none"}) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[0]["response"]["tools"][0]["parameters"]["properties"]["n"]["maximum"] == 2**70
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")
+
+
 def test_previous_response_id_continues_a_stored_response_and_unknown_ids_are_refused(client):
     first = client.responses.create(model=MODEL, input="Hello", max_output_tokens=4, temperature=0,
                                     store=True)
