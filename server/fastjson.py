@@ -21,10 +21,20 @@ except ImportError:  # pragma: no cover - orjson is a dependency; this keeps a b
     orjson = None  # type: ignore[assignment]
 
 
+# Characters that JSON allows raw but that `str.splitlines()` (and so many SSE clients that
+# split a stream with it) takes for line ends: written escaped, an event stays one line.
+_LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
 def dumps(obj: Any) -> bytes:
     if orjson is not None:
         try:
-            return orjson.dumps(obj)
+            out = orjson.dumps(obj)
         except TypeError:  # an integer beyond 64 bits echoed from a request: json can write it
-            pass
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+            out = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    else:
+        out = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    for raw, escaped in _LINE_BREAKS:
+        if raw in out:
+            out = out.replace(raw, escaped)
+    return out
