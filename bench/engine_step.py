@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import tempfile
 import time
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from engine.dummy_model import build_dummy_model, dummy_config
-from engine.kv import KVGeometry, KVStore, install_attention_hook
+from engine.kv import KVGeometry, KVStore, decode_caches, install_attention_hook, plan_decode
 from engine.request import EngineRequest, SamplingParams
 from engine.runner import Runner
 from engine.sequence import Sequence
@@ -51,11 +53,36 @@ def bare_steps(model, batch: int, context: int, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def engine_steps(model, batch: int, context: int, steps: int, temperature: float) -> float:
+def step_ops(*arrays: mx.array) -> int:
+    """Primitives in a step's graph: on CUDA each costs host time to encode and launch."""
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, *arrays)
+        return f.read().count("shape=rectangle")
+
+
+def graph_ops(model, store: KVStore, decode: Runner) -> int:
+    """Build (never run) one decode step's graph and count its primitives; the segments'
+    arrays are put back, so the lazy writes it made are dropped."""
+    saved = {sid: (list(seg.keys), list(seg.values)) for sid, seg in store.segments.items()}
+    plan = plan_decode(store, [store.get(s.request_id) for s in decode.seqs])
+    inputs = mx.zeros((len(decode.seqs), 1), mx.uint32)
+    logits = model(inputs, cache=decode_caches(plan, store.geometry.num_layers))[:, -1, :]
+    ops = step_ops(decode.sampler.sample(logits, [1] * len(decode.seqs)).tokens)
+    for sid, (keys, values) in saved.items():
+        store.segments[sid].keys[:], store.segments[sid].values[:] = keys, values
+    return ops
+
+
+def engine_steps(model, batch: int, context: int, steps: int, temperature: float,
+                 segments: int = 1, split: dict | None = None) -> float:
+    """The runner's decode step; rows spread over `segments` KV segments (the server adds
+    one per ~segment of reserved tokens). `split` receives the step's time split."""
     one = prefilled_caches(model, context - 1)
     g = geometry_from_model(model)
+    per_row = context + steps + 32
+    rows_per_segment = -(-batch // segments)
     store = KVStore(KVGeometry(g.num_layers, g.num_kv_heads, g.head_dim, one[0].keys.dtype),
-                    segment_tokens=batch * (context + steps + 32))
+                    segment_tokens=rows_per_segment * (per_row + 16))
     install_attention_hook(model)
     decode = Runner(model, store, overlap=mx.cuda.is_available())
     params = SamplingParams(temperature=temperature)
@@ -73,11 +100,21 @@ def engine_steps(model, batch: int, context: int, steps: int, temperature: float
         decode.join(seq)
     for _ in range(3):
         decode.step()
+    if split is not None:
+        split["segments"] = len(store.segments)
+        split["ops"] = graph_ops(model, store, decode)
+    wait0, queue0 = decode.decode_wait_s, decode.queue_s
     start = time.perf_counter()
     for _ in range(steps):
         for item in decode.step():
             item.seq.generated += 1
-    return (time.perf_counter() - start) / steps
+    per_step = (time.perf_counter() - start) / steps
+    if split is not None:
+        wait = (decode.decode_wait_s - wait0) / steps
+        queue = (decode.queue_s - queue0) / steps
+        split.update(ms=round(per_step * 1e3, 2), wait_ms=round(wait * 1e3, 2),
+                     queue_ms=round(queue * 1e3, 2), host_ms=round((per_step - wait - queue) * 1e3, 2))
+    return per_step
 
 
 def main() -> None:
@@ -87,11 +124,29 @@ def main() -> None:
     p.add_argument("--batch", default="1,32")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--segments", default="1", help="comma list: KV segments the rows spread over")
+    p.add_argument("--merge", choices=["kernel", "ops"], default="kernel",
+                   help="CUDA: merge the paged kernel's partitions in one kernel or in MLX ops")
+    p.add_argument("--split-only", action="store_true",
+                   help="only the greedy engine step per segment count, with its time split")
     args = p.parse_args()
+    if args.merge == "ops":
+        from engine.kv import cuda_decode
+
+        cuda_decode.merge_partitions = cuda_decode.merge_partitions_reference
     model = build_dummy_model(dummy_config(args.model, args.dtype))
     mx.eval(model.parameters())
     out = []
     for b in (int(x) for x in args.batch.split(",")):
+        if args.split_only:
+            bare = bare_steps(model, b, args.context, args.steps)
+            for n in (int(x) for x in args.segments.split(",")):
+                split: dict = {}
+                engine_steps(model, b, args.context, args.steps, 0.0, segments=n, split=split)
+                print(json.dumps({"batch": b, "context": args.context, "merge": args.merge,
+                                  "mb_per_buffer": os.environ.get("MLX_MAX_MB_PER_BUFFER"),
+                                  "bare_ms": round(bare * 1e3, 2), **split}), flush=True)
+            continue
         bare = bare_steps(model, b, args.context, args.steps)
         greedy = engine_steps(model, b, args.context, args.steps, 0.0)
         sampled = engine_steps(model, b, args.context, args.steps, 0.8)

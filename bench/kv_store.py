@@ -267,21 +267,32 @@ def main() -> None:
     p.add_argument("--out")
     p.add_argument("--probe", action="store_true", help="also run the donation probe")
     p.add_argument("--no-kernel-checks", action="store_true")
+    p.add_argument("--checks-only", action="store_true",
+                   help="only the kernel checks and attention timings (CUDA), no model")
     args = p.parse_args()
     cuda = mx.cuda.is_available()
     results: dict[str, Any] = {"device": str(mx.default_device()), "cuda": cuda, "model": args.model,
                                "dtype": args.dtype, "context": args.context, "steps": args.steps}
     if cuda and not args.no_kernel_checks:
-        checks = []
-        for dt in (mx.float32, mx.bfloat16, mx.float16):
-            checks.append(kernel_vs_plain(dt, 5, 32, 8, 128, [1, 17, 300, 1024, 4099]))
-            checks.append(kernel_vs_plain(dt, 3, 8, 8, 64, [2, 513, 40]))
+        from engine.kv import cuda_decode
+
+        checks, results["attention_only"] = [], []
+        for unroll in (1, cuda_decode.UNROLL) if cuda_decode.UNROLL != 1 else (1,):
+            cuda_decode.UNROLL = unroll  # tokens per warp step: 1 is the first kernel
+            for dt in (mx.float32, mx.bfloat16, mx.float16):
+                checks.append(kernel_vs_plain(dt, 5, 32, 8, 128, [1, 17, 300, 1024, 4099]))
+                checks.append(kernel_vs_plain(dt, 3, 8, 8, 64, [2, 513, 40]))
+                checks.append(kernel_vs_plain(dt, 64, 32, 8, 128, ragged(64, 1000)))  # one partition
+            for c in checks[-9:]:
+                c["unroll"] = unroll
+            print(json.dumps(checks[-9:]), flush=True)
+            for b in (8, 32, 64):
+                results["attention_only"].append({"unroll": unroll,
+                                                  **attention_only(mx.bfloat16, b, args.context)})
+                print(json.dumps(results["attention_only"][-1]), flush=True)
         results["kernel_check"] = checks
-        print(json.dumps(checks), flush=True)
-        results["attention_only"] = []
-        for b in (8, 32, 64):
-            results["attention_only"].append(attention_only(mx.bfloat16, b, args.context))
-            print(json.dumps(results["attention_only"][-1]), flush=True)
+    if args.checks_only:
+        return
     model = build_dummy_model(dummy_config(args.model, args.dtype))
     mx.eval(model.parameters())
     install_attention_hook(model)

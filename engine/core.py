@@ -20,7 +20,8 @@ import mlx.core as mx
 from engine.admission import Admission, ChunkSample
 from engine.errors import InsufficientMemoryError, MemoryProbeUnavailableError
 from engine.kv import KVStore, install_attention_hook
-from engine.loader import LoadedModel
+from engine.kv.store import default_segment_tokens
+from engine.loader import LoadedModel, device_memory_bytes
 from engine.prefix_cache import PrefixCache, PrefixCacheStats
 from engine.request import EngineRequest, RequestOutput
 from engine.runner import Runner
@@ -32,9 +33,6 @@ log = logging.getLogger("mlx_headroom.engine")
 
 Publish = Callable[[list[RequestOutput]], None]
 
-# The CPU attends segment by segment anyway (gather + SDPA per group), and its memory is
-# the system's: small segments hand memory back as soon as their requests end.
-CPU_SEGMENT_TOKENS = 2048
 # A step's token budget, by default, in chunks. One: a long prompt takes the step, short
 # prompts (and prompts' last chunks) share it. On the CPU a 4-chunk budget did not raise
 # throughput and lengthened TTFT (docs/throughput.md); on a GPU, measure with
@@ -130,8 +128,10 @@ class EngineCore:
         self.config = config
         self.publish = publish
         segment_tokens = config.kv_segment_tokens
-        if segment_tokens is None and loaded.backend == "cpu":
-            segment_tokens = CPU_SEGMENT_TOKENS
+        if segment_tokens is None:
+            segment_tokens = default_segment_tokens(
+                loaded.backend, loaded.kv_geometry().bytes_per_token, device_memory_bytes()
+            )
         self.store = KVStore(
             loaded.kv_geometry(), block_size=config.kv_block_size, segment_tokens=segment_tokens
         )

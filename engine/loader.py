@@ -30,6 +30,13 @@ def backend_name() -> str:
     return "cpu"
 
 
+def device_memory_bytes() -> int | None:
+    """The CUDA card's total memory (None elsewhere): it sizes the KV store's segments."""
+    if backend_name() != "cuda":
+        return None
+    return int(dict(mx.device_info()).get("total_memory", 0)) or None
+
+
 @dataclass(frozen=True)
 class LoadedModel:
     model: Any

@@ -44,17 +44,19 @@ class LoadAdmission:
         return self.report.fits
 
 
-def engine_params(settings: Settings, backend: str, kv_bytes_per_token: int) -> EngineParams:
+def engine_params(
+    settings: Settings, backend: str, kv_bytes_per_token: int, device_bytes: int | None = None
+) -> EngineParams:
     """The engine's admission settings, and the KV store's block and default segment sizes
-    as the engine picks them for this model and backend."""
-    from engine.core import CPU_SEGMENT_TOKENS, EngineConfig
-    from engine.kv.store import DEFAULT_SEGMENT_BYTES, MAX_SEGMENT_TOKENS
+    as the engine picks them for this model and backend (`device_bytes`: the card's total
+    on CUDA, which sizes segments there)."""
+    from engine.core import EngineConfig
+    from engine.kv.store import default_segment_tokens
 
     config = EngineConfig()
     segment = config.kv_segment_tokens
     if segment is None:
-        segment = (CPU_SEGMENT_TOKENS if backend == "cpu"
-                   else min(MAX_SEGMENT_TOKENS, DEFAULT_SEGMENT_BYTES // kv_bytes_per_token))
+        segment = default_segment_tokens(backend, kv_bytes_per_token, device_bytes)
     return EngineParams(
         chunk_tokens=settings.prefill_step_size,
         min_chunk_tokens=settings.min_prefill_chunk,
@@ -97,7 +99,8 @@ def fit_for_settings(
         baseline_bytes=usage_bytes(snapshot),
         reserve_tokens=settings.reserve_context_tokens,
         max_tokens=max_tokens or settings.default_max_tokens,
-        params=engine_params(settings, backend_name(), spec.geometry.kv_bytes_per_token),
+        params=engine_params(settings, backend_name(), spec.geometry.kv_bytes_per_token,
+                             snapshot.total_bytes if snapshot.platform == "cuda" else None),
         macos=snapshot.platform == "macos",
     )
 

@@ -7,8 +7,12 @@ length: no gather, no mask, no padding to the longest row. Its plain-MLX twin is
 Work split: one thread block per (row, KV head, partition of PART tokens); its 4 warps
 take tokens in turn, one token per warp step (each lane holds D/32 elements, so K and V
 rows are read coalesced), and serve all the query heads of that KV head (GQA) at once.
-Each block keeps a running max / sum / weighted V (online softmax), the warps are merged
-in shared memory, and the partitions are merged by a few MLX ops (log-sum-exp weights).
+Each warp loads UNROLL consecutive tokens (one block) before it scores them, so
+several loads are in flight per warp. Each block keeps a running max / sum / weighted V
+(online softmax), the warps are merged in shared memory, and a second small kernel merges
+the partitions (log-sum-exp weights) and writes the model's dtype. Two launches per layer,
+not ten: on CUDA each MLX op costs host time to encode, and a decode step of an 8B model
+is short enough for that to show (`docs/throughput.md`).
 Tokens per partition come from a small fixed set and reach the kernel as an input, not a
 template constant: lengths that grow and batches that change never recompile it (each
 NVRTC compile costs a second or more in the middle of serving).
@@ -21,6 +25,7 @@ from typing import Any
 import mlx.core as mx
 
 WARPS = 4
+UNROLL = 4  # tokens per warp step (1 = one token at a time, the first version)
 PARTITIONS = (64, 256, 1024, 4096, 16384, 65536, 262144)
 TARGET_BLOCKS = 1056  # ~8 blocks per SM on an H200 (132 SMs)
 
@@ -56,29 +61,48 @@ _SOURCE = r"""
         l[r] = 0.f;
     }
 
-    for (int j = start + warp; j < end; j += WARPS) {
-        const int blk = table[b * nb + j / BS];
-        const size_t base = (((size_t)blk * BS + j % BS) * H + h) * D + lane * E;
-        float kv[E];
-        float vv[E];
+    for (int j0 = start + warp * U; j0 < end; j0 += WARPS * U) {
+        // U consecutive tokens per warp step: U % BS == 0 and j0 % U == 0 put them in one
+        // block, and their loads are all in flight before the first score is needed.
+        const int blk = table[b * nb + j0 / BS];
+        const size_t base0 = (((size_t)blk * BS + j0 % BS) * H + h) * D + lane * E;
+        float kv[U][E];
+        float vv[U][E];
         #pragma unroll
-        for (int e = 0; e < E; ++e) {
-            kv[e] = static_cast<float>(k_pool[base + e]);
-            vv[e] = static_cast<float>(v_pool[base + e]);
+        for (int u = 0; u < U; ++u) {
+            const bool live = j0 + u < end;
+            const size_t base = base0 + (size_t)u * H * D;
+            #pragma unroll
+            for (int e = 0; e < E; ++e) {
+                kv[u][e] = live ? static_cast<float>(k_pool[base + e]) : 0.f;
+                vv[u][e] = live ? static_cast<float>(v_pool[base + e]) : 0.f;
+            }
         }
         #pragma unroll
         for (int r = 0; r < REP; ++r) {
-            float s = 0.f;
+            float s[U];
+            float nm = m[r];
             #pragma unroll
-            for (int e = 0; e < E; ++e) s += qv[r][e] * kv[e];
-            #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
-            const float nm = fmaxf(m[r], s);
+            for (int u = 0; u < U; ++u) {
+                float x = 0.f;
+                #pragma unroll
+                for (int e = 0; e < E; ++e) x += qv[r][e] * kv[u][e];
+                #pragma unroll
+                for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffff, x, o);
+                s[u] = j0 + u < end ? x : NEG_INF;
+                nm = fmaxf(nm, s[u]);
+            }
             const float corr = __expf(m[r] - nm);
-            const float pr = __expf(s - nm);
-            l[r] = l[r] * corr + pr;
+            l[r] *= corr;
             #pragma unroll
-            for (int e = 0; e < E; ++e) acc[r][e] = acc[r][e] * corr + pr * vv[e];
+            for (int e = 0; e < E; ++e) acc[r][e] *= corr;
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const float pr = __expf(s[u] - nm);
+                l[r] += pr;
+                #pragma unroll
+                for (int e = 0; e < E; ++e) acc[r][e] += pr * vv[u][e];
+            }
             m[r] = nm;
         }
     }
@@ -122,9 +146,30 @@ _SOURCE = r"""
     }
 """
 
+_MERGE_SOURCE = r"""
+    const int row = blockIdx.x;
+    const int d = threadIdx.x;
+    const int P = m_shape[2];  // m is [B, Hq, P]
+    const float* mr = m + (size_t)row * P;
+    const float* lr = l + (size_t)row * P;
+    float mm = NEG_INF;
+    for (int p = 0; p < P; ++p) mm = fmaxf(mm, mr[p]);
+    float ll = 0.f;
+    float a = 0.f;
+    if (mm > NEG_INF) {
+        for (int p = 0; p < P; ++p) {
+            const float w = __expf(mr[p] - mm);
+            ll += lr[p] * w;
+            a += part_out[((size_t)row * P + p) * D + d] * w;
+        }
+    }
+    y[(size_t)row * D + d] = static_cast<T>(ll > 0.f ? a / ll : 0.f);
+"""
+
 _HEADER = "#define NEG_INF (-__int_as_float(0x7f800000))\n"
 
 _kernel: Any = None
+_merge_kernel: Any = None
 _scales: dict[float, mx.array] = {}
 _parts: dict[int, mx.array] = {}
 
@@ -140,6 +185,19 @@ def _get_kernel() -> Any:
             header=_HEADER,
         )
     return _kernel
+
+
+def _get_merge_kernel() -> Any:
+    global _merge_kernel
+    if _merge_kernel is None:
+        _merge_kernel = mx.fast.cuda_kernel(
+            name="headroom_paged_decode_merge",
+            input_names=["part_out", "m", "l"],
+            output_names=["y"],
+            source=_MERGE_SOURCE,
+            header=_HEADER,
+        )
+    return _merge_kernel
 
 
 def partition_tokens(batch: int, kv_heads: int, max_length: int) -> int:
@@ -166,6 +224,7 @@ def paged_decode(
     if d % 32 or hq % h:
         raise ValueError(f"paged kernel needs head_dim % 32 == 0 and GQA groups (got {d}, {hq}/{h})")
     rep = hq // h
+    unroll = UNROLL if block_size % UNROLL == 0 else 1
     part = partition_tokens(b, h, max_length)
     parts = -(-max_length // part)
     sc = _scales.get(scale)
@@ -175,18 +234,35 @@ def paged_decode(
     if pt is None:
         pt = _parts[part] = mx.array([part], dtype=mx.int32)
     out, m, l_sum = _get_kernel()(
-        inputs=[q.reshape(b, hq, d), k_pool, v_pool, table, lengths, sc, pt],
+        inputs=[q, k_pool, v_pool, table, lengths, sc, pt],
         template=[("T", q.dtype), ("D", d), ("H", h), ("REP", rep), ("BS", block_size),
-                  ("WARPS", WARPS)],
+                  ("WARPS", WARPS), ("U", unroll)],
         grid=(32 * WARPS * b * h, parts, 1),
         threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[(b, hq, parts, d), (b, hq, parts), (b, hq, parts)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
-    if parts == 1:
-        res = out[:, :, 0, :] / l_sum
-    else:
-        top = mx.max(m, axis=-1, keepdims=True)
-        w = mx.exp(m - top)
-        res = (out * w[..., None]).sum(axis=2) / (l_sum * w).sum(axis=-1, keepdims=True)
-    return res.astype(q.dtype)[:, :, None, :]
+    return merge_partitions(out, m, l_sum, q.dtype)
+
+
+def merge_partitions(out: mx.array, m: mx.array, l_sum: mx.array, dtype: mx.Dtype) -> mx.array:
+    """[B, Hq, P, D] partial sums with their maxima and normalisers -> [B, Hq, 1, D] in
+    `dtype`, in one launch."""
+    b, hq, _, d = out.shape
+    (y,) = _get_merge_kernel()(
+        inputs=[out, m, l_sum],
+        template=[("T", dtype), ("D", d)],
+        grid=(d * b * hq, 1, 1),
+        threadgroup=(d, 1, 1),
+        output_shapes=[(b, hq, 1, d)],
+        output_dtypes=[dtype],
+    )
+    return y
+
+
+def merge_partitions_reference(out: mx.array, m: mx.array, l_sum: mx.array, dtype: mx.Dtype) -> mx.array:
+    """The same merge in plain MLX ops (about ten launches): the kernel's reference."""
+    top = mx.max(m, axis=-1, keepdims=True)
+    w = mx.exp(m - top)
+    res = (out * w[..., None]).sum(axis=2) / (l_sum * w).sum(axis=-1, keepdims=True)
+    return res.astype(dtype)[:, :, None, :]

@@ -34,6 +34,27 @@ from engine.kv.blocks import BlockAllocator
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_SEGMENT_BYTES = 2 << 30
 MAX_SEGMENT_TOKENS = 16384
+# The CPU attends segment by segment anyway (gather + SDPA per group), and its memory is
+# the system's: small segments hand memory back as soon as their requests end.
+CPU_SEGMENT_TOKENS = 2048
+# On CUDA every segment a decode step touches costs its own launches in every layer
+# (writes, a kernel, a merge, row gathers), and MLX spends host time encoding each: at
+# batch 32 three 2 GiB segments made the step ~3x the bare model's (docs/throughput.md).
+# So segments there are an eighth of the card, between 2 and 16 GiB: one segment holds
+# 64 requests of 1k tokens on an 8B model on an H200. Admission still sizes a segment
+# exactly when a default one would not fit (`KVStore.reserve(exact=True)`).
+CUDA_SEGMENT_FRACTION = 8
+CUDA_SEGMENT_BYTES = (2 << 30, 16 << 30)
+
+
+def default_segment_tokens(backend: str, bytes_per_token: int, device_bytes: int | None = None) -> int:
+    """A new segment's size in tokens, as the engine picks it for a backend."""
+    if backend == "cpu":
+        return CPU_SEGMENT_TOKENS
+    if backend == "cuda" and device_bytes:
+        low, high = CUDA_SEGMENT_BYTES
+        return max(1, min(max(device_bytes // CUDA_SEGMENT_FRACTION, low), high) // bytes_per_token)
+    return max(1, min(MAX_SEGMENT_TOKENS, DEFAULT_SEGMENT_BYTES // bytes_per_token))
 
 
 @dataclass(frozen=True)
@@ -112,7 +133,7 @@ class KVStore:
         self.geometry = geometry
         self.block_size = block_size
         if segment_tokens is None:
-            segment_tokens = min(MAX_SEGMENT_TOKENS, DEFAULT_SEGMENT_BYTES // geometry.bytes_per_token)
+            segment_tokens = default_segment_tokens("metal", geometry.bytes_per_token)
         self.segment_blocks = max(1, segment_tokens // block_size)
         self.block_bytes = block_size * geometry.bytes_per_token
         self.segments: dict[int, Segment] = {}
