@@ -2,9 +2,10 @@
 
     python -m bench.http_cost --model tiny --dtype float32 -c 32 -p 64 -t 200
 
-1. **Engine only**: the engine thread (`EngineClient`, as the server runs it) in this
-   process, fed C requests at once by an asyncio loop that only counts outputs: no HTTP,
-   no detokenisation, no JSON.
+1. **Engine only**: the engine thread (`EngineClient`, as the server runs it: the server's
+   engine config and memory guard, its probe included, unless `--engine-guard allocator`)
+   in this process, fed C requests at once by an asyncio loop that only counts outputs:
+   no HTTP, no detokenisation, no JSON.
 2. **Through HTTP**: our server on the same model, the same requests through
    `bench.loadgen` (streaming chat completions, SSE), in a child process.
 
@@ -27,12 +28,14 @@ from typing import Any
 
 from bench.loadgen import Workload, run_load
 from bench.servers import Server
-from engine import EngineClient, EngineConfig, EngineRequest, SamplingParams, load_model
+from engine import EngineClient, EngineRequest, SamplingParams, load_model
 from memory import MemoryGuard
 from memory.probes.allocator import AllocatorProbe
+from server.app import engine_config, make_guard
+from server.settings import Settings
 
 _KEYS = ("steps", "busy_s", "decode_wait_s", "prefill_wait_s", "queue_s", "engine_cpu_s",
-         "generated_tokens")
+         "generated_tokens", "admission_s", "admission_checks")
 
 
 def _split(before: Any, after: Any, wall: float) -> dict[str, Any]:
@@ -44,13 +47,18 @@ def _split(before: Any, after: Any, wall: float) -> dict[str, Any]:
             "queue_ms_per_step": round(d["queue_s"] / steps * 1e3, 3),
             "engine_cpu_ms_per_step": round(d["engine_cpu_s"] / steps * 1e3, 3),
             "host_ms_per_step": round((d["busy_s"] - waits - d["queue_s"]) / steps * 1e3, 3),
+            "admission_ms_per_step": round(d["admission_s"] / steps * 1e3, 3),
+            "admission_checks": d["admission_checks"],
             "busy_pct": round(d["busy_s"] / wall * 100, 1)}
 
 
-async def engine_only(model: str, dtype: str, c: int, p: int, t: int, rounds: int) -> dict[str, Any]:
-    config = EngineConfig(max_concurrency=max(c, 1))
+async def engine_only(model: str, dtype: str, c: int, p: int, t: int, rounds: int,
+                      guard_kind: str = "server") -> dict[str, Any]:
+    settings = Settings(max_concurrency=max(c, 1))
+    config = engine_config(settings)
+    guard = make_guard(settings) if guard_kind == "server" else MemoryGuard(AllocatorProbe())
     client = EngineClient(load=lambda: load_model(model, load_format="dummy", dtype=dtype),
-                          guard=MemoryGuard(AllocatorProbe()), config=config, max_queue=4 * c)
+                          guard=guard, config=config, max_queue=4 * c)
     await client.start()
     rng = random.Random(0)
     results = []
@@ -72,7 +80,7 @@ async def engine_only(model: str, dtype: str, c: int, p: int, t: int, rounds: in
             wall = time.perf_counter() - started
             if r:
                 results.append({"tok_s": round(tokens / wall, 1), "wall_s": round(wall, 3),
-                                **_split(before, client.stats, wall)})
+                                "hand_backs": guard.hand_backs, **_split(before, client.stats, wall)})
     finally:
         await client.shutdown(5.0)
     return {"runs": results}
@@ -121,14 +129,19 @@ def main() -> None:
     ap.add_argument("-p", "--prompt-tokens", type=int, default=64)
     ap.add_argument("-t", "--max-tokens", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--engine-guard", choices=["server", "allocator"], default="server",
+                    help="engine only: the server's guard and probe, or MLX's allocator counters "
+                         "(no device probe: what separates the probe's cost from HTTP's)")
     a = ap.parse_args()
-    eng = asyncio.run(engine_only(a.model, a.dtype, a.concurrency, a.prompt_tokens, a.max_tokens, a.rounds))
+    eng = asyncio.run(engine_only(a.model, a.dtype, a.concurrency, a.prompt_tokens, a.max_tokens, a.rounds,
+                                  a.engine_guard))
     http = asyncio.run(through_http(a.model, a.dtype, a.concurrency, a.prompt_tokens, a.max_tokens,
                                     a.rounds))
     best_e = max(r["tok_s"] for r in eng["runs"])
     best_h = max(r["tok_s"] or 0 for r in http["runs"])
     print(json.dumps({"concurrency": a.concurrency, "prompt_tokens": a.prompt_tokens,
-                      "max_tokens": a.max_tokens, "engine_only": eng, "through_http": http,
+                      "engine_guard": a.engine_guard, "max_tokens": a.max_tokens,
+                      "engine_only": eng, "through_http": http,
                       "http_cost_pct": round((best_e - best_h) / best_e * 100, 1) if best_e else None},
                      indent=1))
 

@@ -90,12 +90,15 @@ async def throughput(server: Server, model: str, sizes: Sizes) -> list[dict[str,
                     }
                 if before and after:
                     point["engine"] = _engine_split(before["engine"], after["engine"], summary["wall_s"])
+                    point["engine"]["hand_backs"] = (after.get("allocator", {}).get("hand_backs", 0)
+                                                     - before.get("allocator", {}).get("hand_backs", 0))
                 points.append(point)
     return points
 
 
 _ENGINE_COUNTERS = ("steps", "decode_steps", "prefill_chunks", "prefill_calls", "generated_tokens",
-                    "prompt_tokens", "busy_s", "decode_wait_s", "prefill_wait_s", "queue_s", "engine_cpu_s")
+                    "prompt_tokens", "busy_s", "decode_wait_s", "prefill_wait_s", "queue_s", "engine_cpu_s",
+                    "admission_checks", "admission_s")
 
 
 def _engine_split(before: dict[str, Any], after: dict[str, Any], wall_s: float) -> dict[str, Any]:
@@ -114,6 +117,9 @@ def _engine_split(before: dict[str, Any], after: dict[str, Any], wall_s: float) 
         "queue_ms_per_step": round(d["queue_s"] / steps * 1e3, 3),
         "host_ms_per_step": round((busy - waits - d["queue_s"]) / steps * 1e3, 3),
         "host_pct_of_busy": round((busy - waits - d["queue_s"]) / busy * 100, 1) if busy else None,
+        # part of host work: asking the guard (each question reads the memory probe)
+        "admission_ms_per_step": round(d["admission_s"] / steps * 1e3, 3),
+        "prefill_tok_s": round(d["prompt_tokens"] / d["prefill_wait_s"], 1) if d["prefill_wait_s"] else None,
         "idle_pct": round(max(wall_s - busy, 0) / wall_s * 100, 1) if wall_s else None,
         "chunks_per_prefill_call": round(d["prefill_chunks"] / d["prefill_calls"], 2)
         if d["prefill_calls"] else None,

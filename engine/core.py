@@ -395,8 +395,10 @@ class EngineCore:
         """
         step_tokens = self.config.max_step_tokens or STEP_CHUNKS * self.config.prefill_step_size
         budget = max(step_tokens - len(self.batch), self.config.min_chunk_tokens)
+        first = True
         while budget > 0:
-            planned, predicted, stopped = self._gather_chunks(budget)
+            planned, predicted, stopped = self._gather_chunks(budget, cut=first)
+            first = False
             if planned:
                 self._prefilling_batch = [s for s, _ in planned]
                 self._run_chunks(planned, predicted)
@@ -407,8 +409,17 @@ class EngineCore:
             if not planned or stopped:
                 return
 
-    def _gather_chunks(self, budget: int) -> tuple[list[tuple[Sequence, int]], int, bool]:
+    def _gather_chunks(
+        self, budget: int, *, cut: bool = True
+    ) -> tuple[list[tuple[Sequence, int]], int, bool]:
         """One chunk per prompt while `budget` lasts, each admitted for the batch so far.
+
+        Only the step's first chunk may be cut short by the budget (`cut`): a prompt that
+        would get less than its whole chunk beside others waits for the next step instead.
+        A call's rows are right-padded to its longest chunk, so a 28-token remnant beside
+        two 1,000-token chunks costs a third 1,000-token row, and the prompt's next chunk
+        then starts at 28 while its peers start at 0, which takes the rows off the fused
+        causal path (measured on the H200: 47 chunks for 32 prompts of 1,000 tokens).
 
         Returns the chunks, their batch's prediction, and whether a prompt had to wait (a
         chunk that does not fit beside the batch is no WAIT decision: it is asked again in
@@ -428,6 +439,8 @@ class EngineCore:
                 # (the decode rows' share of the budget would otherwise cut 1,000-token
                 # prompts into 985 + 15, and rows of unequal length need an array mask).
                 allow = seq.remaining_prefill
+            if allow < min(seq.chunk_tokens, seq.remaining_prefill) and (planned or not cut):
+                break  # it would be cut beside other chunks: whole, in the next step
             plan = self.admission.plan_chunk(
                 seq, self._admitted(), self._allocated_kv(),
                 self.prefix_cache.evictable_bytes(self._protected()),

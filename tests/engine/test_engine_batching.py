@@ -10,6 +10,7 @@ leave throughout.
 from __future__ import annotations
 
 import gc
+import itertools
 import random
 
 import mlx.core as mx
@@ -126,3 +127,41 @@ def test_admission_asks_for_the_steps_whole_batch_of_chunks(make_engine):
     guard.configure(ceiling_bytes=1 << 40)
     h.run_until(lambda: len(h.out.finished) == 2)
     assert h.out.finished == {"b0": "length", "b1": "length"}
+
+
+def test_only_a_steps_first_chunk_is_cut_short_by_the_budget(make_engine):
+    """Three 100-token prompts under a 250-token step budget: the first two run whole in
+    one call, and the third waits for the next step rather than run a remnant beside them
+    (a call pads its rows to the longest chunk, and a remnant's next chunk would start
+    where its peers' do not)."""
+    h = make_engine(prefill_step_size=128, max_step_tokens=250, prefix_cache_bytes=0,
+                    max_concurrency=8)
+    prompts = [tuple(random.Random(40 + i).randrange(0, 256) for _ in range(100)) for i in range(3)]
+    for i, tokens in enumerate(prompts):
+        h.submit(EngineRequest(f"c{i}", tokens, 4, SamplingParams(temperature=0.0)))
+    h.step()
+    assert h.core.stats.prefill_calls == 1
+    assert h.core.stats.prefill_chunks == 2
+    assert [s.request_id for s in h.core.batch.seqs] == ["c0", "c1"]
+    (waiting,) = h.core.prefilling
+    assert waiting.request_id == "c2" and waiting.processed == 0
+    h.step()  # alone at the head of the next step, it runs whole
+    assert waiting.processed == 99
+    h.run_until(lambda: len(h.out.finished) == 3)
+    assert set(h.out.finished.values()) == {"length"}
+
+
+def test_a_long_prompt_alone_still_takes_a_cut_chunk_each_step(make_engine):
+    """Progress: the step's first chunk may be cut by the budget, so a prompt longer than
+    the budget (less the decoding rows) still moves every step."""
+    h = make_engine(prefill_step_size=256, max_step_tokens=200, prefix_cache_bytes=0)
+    h.submit(EngineRequest("short", (1, 2, 3), 50, SamplingParams(temperature=0.0)))
+    h.run_until(lambda: len(h.core.batch.seqs) == 1)
+    h.submit(EngineRequest("long", tuple(random.Random(7).randrange(0, 256) for _ in range(700)), 2,
+                           SamplingParams(temperature=0.0)))
+    seen = []
+    while not h.core.batch.seqs or h.core.batch.seqs[-1].request_id != "long":
+        h.step()
+        seen.extend(s.processed for s in h.core.prefilling)
+    assert seen and all(b > a for a, b in itertools.pairwise(seen))  # moved every step
+    assert max(b - a for a, b in itertools.pairwise([0, *seen])) <= 199  # budget less one row
