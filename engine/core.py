@@ -143,7 +143,8 @@ class EngineCore:
             min_chunk_tokens=config.min_chunk_tokens, weight_bytes=loaded.weight_bytes,
         )
         self.prefix_cache = PrefixCache(
-            self.store, max_bytes=config.prefix_cache_bytes, max_entries=config.prefix_cache_entries
+            self.store, max_bytes=config.prefix_cache_bytes, max_entries=config.prefix_cache_entries,
+            min_hit_tokens=self.store.block_size,
         )
         overlap = config.decode_overlap
         if overlap is None:
@@ -317,6 +318,11 @@ class EngineCore:
             shared = None  # the entry was evicted meanwhile: recompute from scratch
             seq.processed = seq.cached_tokens = 0
             seq.prefix_key = None
+        if shared is not None:
+            # A hit may copy the prefix's partly filled last block into the request's own
+            # block, a write into a segment the queued decode step still reads: MLX would
+            # copy every layer array of the segment instead of writing in place.
+            self.batch.settle()
         alloc = self.store.reserve(seq.request_id, seq.final_len, shared, exact=exact)
         assert alloc.length == seq.processed
         seq.has_kv = True

@@ -55,10 +55,17 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class PrefixCache:
-    def __init__(self, store: KVStore, *, max_bytes: int, max_entries: int) -> None:
+    def __init__(
+        self, store: KVStore, *, max_bytes: int, max_entries: int, min_hit_tokens: int = 1
+    ) -> None:
         self.store = store
         self.max_bytes = max_bytes
         self.max_entries = max_entries
+        # A shorter shared prefix is a miss. The engine passes a block: below that a hit
+        # saves nothing (a chat template's first few tokens) yet costs a copy-on-write of
+        # the block and moves the prompt's chunks off offset 0, where batched prefill rows
+        # keep the fused causal path.
+        self.min_hit_tokens = max(min_hit_tokens, 1)
         self._entries: OrderedDict[TokenKey, _Entry] = OrderedDict()  # LRU first
         self._bytes = 0
         self.hits = 0
@@ -91,7 +98,7 @@ class PrefixCache:
             n = _common_prefix(entry.tokens, query)
             if n > best_len:
                 best_key, best_len = key, n
-        if best_key is None:
+        if best_key is None or best_len < self.min_hit_tokens:
             self.misses += 1
             return None
         self.hits += 1

@@ -96,13 +96,19 @@ class Runner:
                 # The chunk writes into a segment the queued decode step may still read:
                 # let that step finish first, or MLX would copy the segment's arrays.
                 started = time.perf_counter()
-                if self.pending is not None:
-                    mx.eval(*self.pending.arrays())
+                self.settle()
                 mx.eval(part[0].alloc.segment.arrays())
                 self.prefill_wait_s += time.perf_counter() - started
         for seq, tokens in chunks:
             self.store.advance(seq.request_id, tokens)
         return calls
+
+    def settle(self) -> None:
+        """Let the queued decode step finish: writes into the pool (a prefill chunk, a
+        prefix's copy-on-write) must find no queued work reading it, or MLX copies the
+        segment's arrays instead of writing in place."""
+        if self.pending is not None:
+            mx.eval(*self.pending.arrays())
 
     # ---- the batch -------------------------------------------------------------------
     def join(self, seq: Sequence) -> None:

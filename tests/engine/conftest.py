@@ -24,6 +24,7 @@ class Collected:
     tokens: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[float]] = field(default_factory=dict)
     finished: dict[str, str] = field(default_factory=dict)
+    cached: dict[str, int] = field(default_factory=dict)  # prompt tokens served from the cache
 
     def __call__(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -31,6 +32,7 @@ class Collected:
             self.logprobs.setdefault(out.request_id, []).extend(lp.logprob for lp in out.logprobs)
             if out.finish_reason is not None:
                 self.finished[out.request_id] = out.finish_reason
+                self.cached[out.request_id] = out.cached_tokens
 
 
 @dataclass

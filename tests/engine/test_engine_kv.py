@@ -180,3 +180,45 @@ def test_a_queued_prefill_is_preempted_when_the_head_cannot_go_on(make_engine):
     assert h.out.finished == {"p0": "length", "p1": "length", "p2": "length"}
     assert all(len(h.out.tokens[f"p{i}"]) == 4 for i in range(3))
     assert store.reserved_bytes() == 0
+
+
+def test_a_prefix_hit_needs_a_whole_block_in_common(make_engine):
+    """Prompts that share only a chat template's first tokens (fewer than a block) are not
+    served from the cache: such a hit saves nothing, yet costs a copy-on-write of the block
+    and starts the prompt's chunks off offset 0."""
+    h = make_engine(prefill_step_size=512)
+    head = prompt(11, 9)
+    h.submit(EngineRequest("a", (*head, *prompt(12, 100)), 4, GREEDY))
+    h.run_until(lambda: "a" in h.out.finished)
+    bs = h.core.store.block_size
+    assert len(head) < bs
+    h.submit(EngineRequest("b", (*head, *prompt(13, 100)), 4, GREEDY))
+    h.submit(EngineRequest("c", (*head, *prompt(12, 100)[:bs], 7, 7), 4, GREEDY))
+    h.run_until(lambda: {"b", "c"} <= h.out.finished.keys())
+    assert h.out.cached["b"] == 0
+    assert h.out.cached["c"] == len(head) + bs
+
+
+def test_a_prefix_hit_writes_into_a_segment_nothing_queued_still_reads(make_engine):
+    """A hit copies the prefix's partly filled last block into the request's own block, in
+    the segment the queued decode step reads. The engine lets that step finish first: were
+    it still queued, MLX would copy each of the segment's layer arrays rather than write
+    one block in place. The decode step is held lazy here (never queued) so that it is
+    certainly unfinished when the request is admitted."""
+    h = make_engine(prefill_step_size=512)
+    base = prompt(21, 200)
+    h.submit(EngineRequest("a", (*base, 1, 2, 3), 60, GREEDY))
+    h.run_until(lambda: "a" in running(h) and len(h.out.tokens.get("a", [])) >= 2)
+    runner = h.core.batch
+    runner._queue = lambda step: None  # the next steps' decode stays unevaluated
+    h.step()
+    assert runner.pending is not None
+    segment = h.core.store.get("a").segment
+    gc.collect()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    h.submit(EngineRequest("b", (*base, 9, 9), 8, GREEDY))
+    h.step()
+    assert h.core.store.get("b").length > 200 % h.core.store.block_size  # the hit was taken
+    layer_array = segment.keys[0].nbytes
+    assert mx.get_peak_memory() - before < layer_array  # nothing the size of a layer array

@@ -98,3 +98,13 @@ def test_evict_frees_whole_segments_lru_first_and_never_a_protected_entry():
     assert cache.keys() == [(1, 1, 1)] and s.pool_bytes() == segment
     cache.clear()
     assert s.pool_bytes() == 0 and not s.segments
+
+
+def test_a_shared_prefix_shorter_than_the_minimum_is_a_miss():
+    """The engine asks for a block at least: a chat template's few shared tokens are no hit."""
+    cache = PrefixCache(store(), max_bytes=1 << 30, max_entries=8, min_hit_tokens=BS)
+    cached(cache, "a", [1, 2, 3, 4, 5, 6])
+    assert cache.lookup([1, 2, 3, 9, 9]) is None
+    hit = cache.lookup([1, 2, 3, 4, 9])
+    assert hit is not None and hit.cached_tokens == BS
+    assert (cache.hits, cache.misses) == (1, 1)
