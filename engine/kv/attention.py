@@ -24,6 +24,7 @@ import mlx.core as mx
 import mlx_lm.models.base as mlx_base
 
 from engine.kv.cache import DecodeCache, DecodeGroup
+from engine.kv.cuda_decode import paged_decode
 
 _ORIGINAL: Callable[..., mx.array] = mlx_base.scaled_dot_product_attention
 _kernel_enabled: bool | None = None
@@ -71,9 +72,9 @@ def decode_attention(queries: mx.array, cache: DecodeCache, scale: float) -> mx.
 
 def _attend_group(q: mx.array, g: DecodeGroup, layer: int, scale: float, block_size: int) -> mx.array:
     keys, values = g.segment.keys[layer], g.segment.values[layer]
-    if kernel_active() and q.shape[-1] % 32 == 0 and q.shape[1] % keys.shape[1] == 0:
-        from engine.kv.cuda_decode import paged_decode
-
+    if g.kernel is None:  # decided once per step: every layer has the same shapes
+        g.kernel = kernel_active() and q.shape[-1] % 32 == 0 and q.shape[1] % keys.shape[1] == 0
+    if g.kernel:
         return paged_decode(q, keys, values, g.table, g.lengths, g.max_length, scale, block_size)
     return plain_decode(q, keys, values, g, scale, block_size)
 

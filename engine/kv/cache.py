@@ -80,6 +80,7 @@ class DecodeGroup:
     max_length: int
     read: mx.array | None = None  # [Bg, H, L] rows of the pool, built lazily (plain path)
     mask: mx.array | None = None
+    kernel: bool | None = None  # the CUDA kernel attends this group (decided at its first layer)
 
     def plain_indices(self, block_size: int, kv_heads: int) -> tuple[mx.array, mx.array]:
         """Indices into the pool seen as [slots × H, D], so that one gather yields K in

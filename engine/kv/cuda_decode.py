@@ -20,6 +20,8 @@ NVRTC compile costs a second or more in the middle of serving).
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -172,6 +174,7 @@ _kernel: Any = None
 _merge_kernel: Any = None
 _scales: dict[float, mx.array] = {}
 _parts: dict[int, mx.array] = {}
+_F32X3 = [mx.float32, mx.float32, mx.float32]
 
 
 def _get_kernel() -> Any:
@@ -208,6 +211,36 @@ def partition_tokens(batch: int, kv_heads: int, max_length: int) -> int:
     return PARTITIONS[-1]
 
 
+@dataclass(frozen=True)
+class _Launch:
+    """One step's launch settings: the same for every layer, so built once per step."""
+
+    template: list[tuple[str, Any]]
+    grid: tuple[int, int, int]
+    output_shapes: list[tuple[int, ...]]
+    part: mx.array
+
+
+@functools.lru_cache(maxsize=64)
+def _launch(b: int, hq: int, h: int, d: int, max_length: int, dtype: mx.Dtype, block_size: int,
+            unroll: int) -> _Launch:
+    if d % 32 or hq % h:
+        raise ValueError(f"paged kernel needs head_dim % 32 == 0 and GQA groups (got {d}, {hq}/{h})")
+    part = partition_tokens(b, h, max_length)
+    parts = -(-max_length // part)
+    pt = _parts.get(part)
+    if pt is None:
+        pt = _parts[part] = mx.array([part], dtype=mx.int32)
+    u = unroll if block_size % unroll == 0 else 1
+    return _Launch(
+        template=[("T", dtype), ("D", d), ("H", h), ("REP", hq // h), ("BS", block_size),
+                  ("WARPS", WARPS), ("U", u)],
+        grid=(32 * WARPS * b * h, parts, 1),
+        output_shapes=[(b, hq, parts, d), (b, hq, parts), (b, hq, parts)],
+        part=pt,
+    )
+
+
 def paged_decode(
     q: mx.array,
     k_pool: mx.array,
@@ -220,27 +253,17 @@ def paged_decode(
 ) -> mx.array:
     """q [B, Hq, 1, D]; pools [slots, H, D]; table [B, NB] int32; lengths [B] int32."""
     b, hq, _, d = q.shape
-    h = k_pool.shape[1]
-    if d % 32 or hq % h:
-        raise ValueError(f"paged kernel needs head_dim % 32 == 0 and GQA groups (got {d}, {hq}/{h})")
-    rep = hq // h
-    unroll = UNROLL if block_size % UNROLL == 0 else 1
-    part = partition_tokens(b, h, max_length)
-    parts = -(-max_length // part)
+    launch = _launch(b, hq, k_pool.shape[1], d, max_length, q.dtype, block_size, UNROLL)
     sc = _scales.get(scale)
     if sc is None:
         sc = _scales[scale] = mx.array([scale], dtype=mx.float32)
-    pt = _parts.get(part)
-    if pt is None:
-        pt = _parts[part] = mx.array([part], dtype=mx.int32)
     out, m, l_sum = _get_kernel()(
-        inputs=[q, k_pool, v_pool, table, lengths, sc, pt],
-        template=[("T", q.dtype), ("D", d), ("H", h), ("REP", rep), ("BS", block_size),
-                  ("WARPS", WARPS), ("U", unroll)],
-        grid=(32 * WARPS * b * h, parts, 1),
+        inputs=[q, k_pool, v_pool, table, lengths, sc, launch.part],
+        template=launch.template,
+        grid=launch.grid,
         threadgroup=(32 * WARPS, 1, 1),
-        output_shapes=[(b, hq, parts, d), (b, hq, parts), (b, hq, parts)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32],
+        output_shapes=launch.output_shapes,
+        output_dtypes=_F32X3,
     )
     return merge_partitions(out, m, l_sum, q.dtype)
 
@@ -249,15 +272,17 @@ def merge_partitions(out: mx.array, m: mx.array, l_sum: mx.array, dtype: mx.Dtyp
     """[B, Hq, P, D] partial sums with their maxima and normalisers -> [B, Hq, 1, D] in
     `dtype`, in one launch."""
     b, hq, _, d = out.shape
+    template, grid, shapes, dtypes = _merge_launch(b, hq, d, dtype)
     (y,) = _get_merge_kernel()(
-        inputs=[out, m, l_sum],
-        template=[("T", dtype), ("D", d)],
-        grid=(d * b * hq, 1, 1),
-        threadgroup=(d, 1, 1),
-        output_shapes=[(b, hq, 1, d)],
-        output_dtypes=[dtype],
+        inputs=[out, m, l_sum], template=template, grid=grid, threadgroup=(d, 1, 1),
+        output_shapes=shapes, output_dtypes=dtypes,
     )
     return y
+
+
+@functools.lru_cache(maxsize=64)
+def _merge_launch(b: int, hq: int, d: int, dtype: mx.Dtype) -> tuple[Any, ...]:
+    return [("T", dtype), ("D", d)], (d * b * hq, 1, 1), [(b, hq, 1, d)], [dtype]
 
 
 def merge_partitions_reference(out: mx.array, m: mx.array, l_sum: mx.array, dtype: mx.Dtype) -> mx.array:
