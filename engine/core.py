@@ -318,8 +318,8 @@ class EngineCore:
             shared = None  # the entry was evicted meanwhile: recompute from scratch
             seq.processed = seq.cached_tokens = 0
             seq.prefix_key = None
-        if shared is not None:
-            # A hit may copy the prefix's partly filled last block into the request's own
+        if shared is not None and shared.tokens % self.store.block_size:
+            # The hit copies the prefix's partly filled last block into the request's own
             # block, a write into a segment the queued decode step still reads: MLX would
             # copy every layer array of the segment instead of writing in place.
             self.batch.settle()
