@@ -24,7 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from bench.engine_step import prefilled_caches
+from bench.engine_step import fill_row, prefilled_caches
 from engine.dummy_model import build_dummy_model, dummy_config
 from engine.kv import KVGeometry, KVStore, decode_caches, install_attention_hook, plan_decode
 from engine.kv.cache import DecodeGroup, DecodePlan
@@ -38,19 +38,7 @@ def fill(model: Any, batch: int, context: int, extra: int) -> tuple[KVStore, lis
     g = geometry_from_model(model)
     store = KVStore(KVGeometry(g.num_layers, g.num_kv_heads, g.head_dim, one[0].keys.dtype),
                     segment_tokens=batch * (context + extra + 32))
-    allocs = []
-    n = context - 1
-    for i in range(batch):
-        alloc = store.reserve(f"r{i}", context + extra)
-        slots = mx.array([alloc.table[j // store.block_size] * store.block_size + j % store.block_size
-                          for j in range(n)], dtype=mx.int32)
-        for layer, c in enumerate(one):
-            alloc.segment.keys[layer][slots] = c.keys[0, :, :n, :].transpose(1, 0, 2)
-            alloc.segment.values[layer][slots] = c.values[0, :, :n, :].transpose(1, 0, 2)
-        mx.eval(alloc.segment.arrays())
-        store.advance(alloc.request_id, n)
-        allocs.append(alloc)
-    return store, allocs
+    return store, [fill_row(store, one, f"r{i}", context, context + extra) for i in range(batch)]
 
 
 def eager_step(model: Any, store: KVStore, allocs: list[Any], tokens: mx.array) -> mx.array:

@@ -15,6 +15,7 @@ import json
 import os
 import tempfile
 import time
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
@@ -60,6 +61,21 @@ def step_ops(*arrays: mx.array) -> int:
         return f.read().count("shape=rectangle")
 
 
+def fill_row(store: KVStore, one: list, request_id: str, context: int, reserve: int) -> Any:
+    """Reserve `reserve` tokens for a row and copy the first `context - 1` tokens of the
+    prefilled single-row cache `one` into its blocks (its last prompt token decodes)."""
+    alloc = store.reserve(request_id, reserve)
+    n = context - 1
+    slots = mx.array([alloc.table[j // store.block_size] * store.block_size + j % store.block_size
+                      for j in range(n)], dtype=mx.int32)
+    for layer, c in enumerate(one):
+        alloc.segment.keys[layer][slots] = c.keys[0, :, :n, :].transpose(1, 0, 2)
+        alloc.segment.values[layer][slots] = c.values[0, :, :n, :].transpose(1, 0, 2)
+    mx.eval(alloc.segment.arrays())
+    store.advance(request_id, n)
+    return alloc
+
+
 def graph_ops(model, store: KVStore, decode: Runner) -> int:
     """Build (never run) one decode step's graph and count its primitives; the segments'
     arrays are put back, so the lazy writes it made are dropped."""
@@ -88,15 +104,7 @@ def engine_steps(model, batch: int, context: int, steps: int, temperature: float
     params = SamplingParams(temperature=temperature)
     for i in range(batch):
         seq = Sequence(EngineRequest(f"r{i}", (1,) * context, steps + 8, params))
-        alloc = store.reserve(seq.request_id, context + steps + 8)
-        n = context - 1
-        slots = mx.array([alloc.table[j // store.block_size] * store.block_size + j % store.block_size
-                          for j in range(n)], dtype=mx.int32)
-        for layer, c in enumerate(one):
-            alloc.segment.keys[layer][slots] = c.keys[0, :, :n, :].transpose(1, 0, 2)
-            alloc.segment.values[layer][slots] = c.values[0, :, :n, :].transpose(1, 0, 2)
-        mx.eval(alloc.segment.arrays())
-        store.advance(seq.request_id, n)
+        fill_row(store, one, seq.request_id, context, context + steps + 8)
         decode.join(seq)
     for _ in range(3):
         decode.step()
