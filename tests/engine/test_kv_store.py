@@ -111,3 +111,18 @@ def test_outgrowing_a_reservation_is_an_error_not_a_silent_copy():
     s.advance("a", 32)
     with pytest.raises(RuntimeError, match="outgrew"):
         s.advance("a", 1)
+
+
+def test_default_segment_sizes_per_backend():
+    """CUDA: an eighth of the card, clamped to 2-16 GiB (one segment per decode step at
+    the concurrencies served there); the CPU keeps small segments; Metal 2 GiB."""
+    from engine.kv.store import CPU_SEGMENT_TOKENS, default_segment_tokens
+
+    per_token = 128 * 1024  # an 8B model in bf16
+    gib = 1 << 30
+    assert default_segment_tokens("cuda", per_token, 141 * gib) == 16 * gib // per_token  # H200
+    assert default_segment_tokens("cuda", per_token, 24 * gib) == 3 * gib // per_token
+    assert default_segment_tokens("cuda", per_token, 8 * gib) == 2 * gib // per_token  # floor
+    assert default_segment_tokens("cuda", per_token, None) == 16384  # card unknown: as Metal
+    assert default_segment_tokens("metal", per_token) == 16384
+    assert default_segment_tokens("cpu", per_token, 141 * gib) == CPU_SEGMENT_TOKENS
