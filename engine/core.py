@@ -402,10 +402,8 @@ class EngineCore:
         step_tokens = self.config.max_step_tokens or STEP_CHUNKS * self.config.prefill_step_size
         budget = max(step_tokens - len(self.batch), self.config.min_chunk_tokens)
         ran: set[str] = set()  # prompts that ran a chunk this step
-        first = True
         while budget > 0:
-            planned, predicted, stopped = self._gather_chunks(budget, cut=first, ran=ran)
-            first = False
+            planned, predicted, stopped = self._gather_chunks(budget, ran=ran)
             ran.update(s.request_id for s, _ in planned)
             if planned:
                 self._prefilling_batch = [s for s, _ in planned]
@@ -418,14 +416,14 @@ class EngineCore:
                 return
 
     def _gather_chunks(
-        self, budget: int, *, cut: bool = True, ran: frozenset[str] | set[str] = frozenset()
+        self, budget: int, *, ran: frozenset[str] | set[str] = frozenset()
     ) -> tuple[list[tuple[Sequence, int]], int, bool]:
         """One chunk per prompt while `budget` lasts, each admitted for the batch so far.
 
-        A chunk may be cut short by the budget only when it runs alone, in the step's first
-        round (`cut`) or as the continuation of a prompt that ran earlier in this step
-        (`ran`: a lone prompt takes the whole budget in several chunks, as load admission's
-        mirror, `memory/walk.py`, counts on). A prompt that would get less than its whole
+        A chunk may be cut short by the budget only when it runs alone: in the step's first
+        round (nothing `ran` yet), or as the continuation of a prompt that ran earlier in
+        this step (a lone prompt takes the whole budget in several chunks, as load
+        admission's mirror, `memory/walk.py`, counts on). A prompt that would get less than its whole
         chunk beside others, or after others, waits for the next step instead.
         A call's rows are right-padded to its longest chunk, so a 28-token remnant beside
         two 1,000-token chunks costs a third 1,000-token row, and the prompt's next chunk
@@ -451,7 +449,7 @@ class EngineCore:
                 # prompts into 985 + 15, and rows of unequal length need an array mask).
                 allow = seq.remaining_prefill
             if allow < min(seq.chunk_tokens, seq.remaining_prefill) and (
-                planned or not (cut or seq.request_id in ran)
+                planned or (ran and seq.request_id not in ran)
             ):
                 break  # it would be cut beside other chunks: whole, in the next step
             plan = self.admission.plan_chunk(
