@@ -173,7 +173,6 @@ _HEADER = "#define NEG_INF (-__int_as_float(0x7f800000))\n"
 _kernel: Any = None
 _merge_kernel: Any = None
 _scales: dict[float, mx.array] = {}
-_parts: dict[int, mx.array] = {}
 _F32X3 = [mx.float32, mx.float32, mx.float32]
 
 
@@ -222,22 +221,19 @@ class _Launch:
 
 
 @functools.lru_cache(maxsize=64)
-def _launch(b: int, hq: int, h: int, d: int, max_length: int, dtype: mx.Dtype, block_size: int,
+def _launch(b: int, hq: int, h: int, d: int, part: int, parts: int, dtype: mx.Dtype, block_size: int,
             unroll: int) -> _Launch:
+    """Keyed by the partition, not the length: a growing context reuses it until the
+    partition count changes."""
     if d % 32 or hq % h:
         raise ValueError(f"paged kernel needs head_dim % 32 == 0 and GQA groups (got {d}, {hq}/{h})")
-    part = partition_tokens(b, h, max_length)
-    parts = -(-max_length // part)
-    pt = _parts.get(part)
-    if pt is None:
-        pt = _parts[part] = mx.array([part], dtype=mx.int32)
     u = unroll if block_size % unroll == 0 else 1
     return _Launch(
         template=[("T", dtype), ("D", d), ("H", h), ("REP", hq // h), ("BS", block_size),
                   ("WARPS", WARPS), ("U", u)],
         grid=(32 * WARPS * b * h, parts, 1),
         output_shapes=[(b, hq, parts, d), (b, hq, parts), (b, hq, parts)],
-        part=pt,
+        part=mx.array([part], dtype=mx.int32),
     )
 
 
@@ -253,7 +249,9 @@ def paged_decode(
 ) -> mx.array:
     """q [B, Hq, 1, D]; pools [slots, H, D]; table [B, NB] int32; lengths [B] int32."""
     b, hq, _, d = q.shape
-    launch = _launch(b, hq, k_pool.shape[1], d, max_length, q.dtype, block_size, UNROLL)
+    h = k_pool.shape[1]
+    part = partition_tokens(b, h, max_length)
+    launch = _launch(b, hq, h, d, part, -(-max_length // part), q.dtype, block_size, UNROLL)
     sc = _scales.get(scale)
     if sc is None:
         sc = _scales[scale] = mx.array([scale], dtype=mx.float32)
