@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.loadgen import Workload, run_load
+from bench.scenarios import engine_split
 from bench.servers import Server
 from engine import EngineClient, EngineRequest, SamplingParams, load_model
 from memory import MemoryGuard
@@ -34,22 +36,14 @@ from memory.probes.allocator import AllocatorProbe
 from server.app import engine_config, make_guard
 from server.settings import Settings
 
-_KEYS = ("steps", "busy_s", "decode_wait_s", "prefill_wait_s", "queue_s", "engine_cpu_s",
-         "generated_tokens", "admission_s", "admission_checks")
 
-
-def _split(before: Any, after: Any, wall: float) -> dict[str, Any]:
-    d = {k: getattr(after, k) - getattr(before, k) for k in _KEYS}
-    steps = max(d["steps"], 1)
-    waits = d["decode_wait_s"] + d["prefill_wait_s"]
-    return {"steps": d["steps"], "step_ms": round(d["busy_s"] / steps * 1e3, 3),
-            "device_wait_ms_per_step": round(waits / steps * 1e3, 3),
-            "queue_ms_per_step": round(d["queue_s"] / steps * 1e3, 3),
-            "engine_cpu_ms_per_step": round(d["engine_cpu_s"] / steps * 1e3, 3),
-            "host_ms_per_step": round((d["busy_s"] - waits - d["queue_s"]) / steps * 1e3, 3),
-            "admission_ms_per_step": round(d["admission_s"] / steps * 1e3, 3),
-            "admission_checks": d["admission_checks"],
-            "busy_pct": round(d["busy_s"] / wall * 100, 1)}
+def _split(before: dict[str, Any], after: dict[str, Any], wall: float) -> dict[str, Any]:
+    """The benchmark's step split (`bench.scenarios.engine_split`), plus the engine
+    thread's own CPU time per step and its busy share of the wall."""
+    split = engine_split(before, after, wall)
+    steps = max(split["steps"], 1)
+    return {**split, "engine_cpu_ms_per_step": round(split["engine_cpu_s"] / steps * 1e3, 3),
+            "busy_pct": round(split["busy_s"] / wall * 100, 1)}
 
 
 async def engine_only(model: str, dtype: str, c: int, p: int, t: int, rounds: int,
@@ -64,7 +58,7 @@ async def engine_only(model: str, dtype: str, c: int, p: int, t: int, rounds: in
     results = []
     try:
         for r in range(rounds + 1):  # the first round warms up
-            before = client.stats
+            before, hand_backs = dataclasses.asdict(client.stats), guard.hand_backs
             started = time.perf_counter()
             streams = [client.submit(EngineRequest(
                 f"e{r}-{i}", tuple(rng.randrange(0, 250) for _ in range(p)), t,
@@ -80,7 +74,8 @@ async def engine_only(model: str, dtype: str, c: int, p: int, t: int, rounds: in
             wall = time.perf_counter() - started
             if r:
                 results.append({"tok_s": round(tokens / wall, 1), "wall_s": round(wall, 3),
-                                "hand_backs": guard.hand_backs, **_split(before, client.stats, wall)})
+                                "hand_backs": guard.hand_backs - hand_backs,
+                                **_split(before, dataclasses.asdict(client.stats), wall)})
     finally:
         await client.shutdown(5.0)
     return {"runs": results}
@@ -109,13 +104,8 @@ async def through_http(model: str, dtype: str, c: int, p: int, t: int, rounds: i
             after = await engine_stats()
             s = report.summary()
             if r:
-                ns = type("S", (), {})
-                b, a = ns(), ns()
-                for k in _KEYS:
-                    setattr(b, k, before[k])
-                    setattr(a, k, after[k])
                 results.append({"tok_s": s["output_tok_s"], "wall_s": s["wall_s"], "ok": s["ok"],
-                                "tpot_ms_p50": s["tpot_ms_p50"], **_split(b, a, s["wall_s"])})
+                                "tpot_ms_p50": s["tpot_ms_p50"], **_split(before, after, s["wall_s"])})
     finally:
         server.stop()
     return {"runs": results}

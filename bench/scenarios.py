@@ -66,7 +66,7 @@ async def warmup(server: Server, model: str, concurrency: tuple[int, ...] = (1,)
 async def throughput(server: Server, model: str, sizes: Sizes) -> list[dict[str, Any]]:
     """Each concurrency, in each answer mode (streaming, non-streaming), `throughput_repeats`
     times: the first run of a shape is "cold" (CUDA compiles kernels for new shapes), the
-    rest "warm". For ours, where the step's time went (`_engine_split`)."""
+    rest "warm". For ours, where the step's time went (`engine_split`)."""
     points = []
     for i, c in enumerate(sizes.concurrency):
         for stream in sizes.stream_modes:
@@ -89,7 +89,7 @@ async def throughput(server: Server, model: str, sizes: Sizes) -> list[dict[str,
                         "asyncio_thread_pct": round((cpu_after[1] - cpu_before[1]) / wall * 100, 1),
                     }
                 if before and after:
-                    point["engine"] = _engine_split(before["engine"], after["engine"], summary["wall_s"])
+                    point["engine"] = engine_split(before["engine"], after["engine"], summary["wall_s"])
                     point["engine"]["hand_backs"] = (after.get("allocator", {}).get("hand_backs", 0)
                                                      - before.get("allocator", {}).get("hand_backs", 0))
                 points.append(point)
@@ -101,7 +101,7 @@ _ENGINE_COUNTERS = ("steps", "decode_steps", "prefill_chunks", "prefill_calls", 
                     "admission_checks", "admission_s")
 
 
-def _engine_split(before: dict[str, Any], after: dict[str, Any], wall_s: float) -> dict[str, Any]:
+def engine_split(before: dict[str, Any], after: dict[str, Any], wall_s: float) -> dict[str, Any]:
     """The engine thread's time during one load: waiting for the device (decode steps,
     prefill calls), queueing decode steps (`mx.async_eval`: launches on CUDA; on the CPU
     MLX computes there when too many tasks are in flight), its own host work (the rest of
