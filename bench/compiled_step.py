@@ -47,55 +47,61 @@ def eager_step(model: Any, store: KVStore, allocs: list[Any], tokens: mx.array) 
     return mx.argmax(logits, axis=-1).astype(mx.uint32)
 
 
-def compiled_stepper(model: Any, store: KVStore) -> Callable[[list[Any], mx.array], mx.array]:
-    """A step that traces once per (batch, table width, partitions) and replays after."""
-    (segment,) = store.segments.values()
-    layers = store.geometry.num_layers
-    traced: dict[tuple[int, int, int], Any] = {}
-    trace_s: list[float] = []
-    kv_heads = store.geometry.num_kv_heads
+class CompiledStep:
+    """A step that traces once per (batch, table width, partitions) and replays after;
+    `trace_s` holds how long each first call (trace) took."""
 
-    def step(allocs: list[Any], tokens: mx.array) -> mx.array:
+    def __init__(self, model: Any, store: KVStore) -> None:
+        (self.segment,) = store.segments.values()
+        self.model, self.store = model, store
+        self.traced: dict[tuple[int, int, int], Any] = {}
+        self.trace_s: list[float] = []
+
+    def __call__(self, allocs: list[Any], tokens: mx.array) -> mx.array:
+        store, segment = self.store, self.segment
+        layers = store.geometry.num_layers
         plan = plan_decode(store, allocs)
         (g,) = plan.groups
-        key = (len(allocs), g.table.shape[1], -(-g.max_length // partition_tokens(len(allocs), kv_heads,
-                                                                                  g.max_length)))
-        fn = traced.get(key)
+        part = partition_tokens(len(allocs), store.geometry.num_kv_heads, g.max_length)
+        key = (len(allocs), g.table.shape[1], -(-g.max_length // part))
+        fn = self.traced.get(key)
+        started = time.perf_counter()
         if fn is None:
-            max_length = g.max_length  # only its partition count matters to the trace
-
-            def forward(tok, write, table, lengths, offsets, *pool):
-                keys, values = segment.keys, segment.values
-                segment.keys, segment.values = list(pool[:layers]), list(pool[layers:])
-                try:
-                    group = DecodeGroup(segment, None, write, table, lengths, max_length)
-                    caches = decode_caches(DecodePlan([group], offsets, None, store.block_size), layers)
-                    logits = model(tok[:, None], cache=caches)[:, -1, :]
-                    return (mx.argmax(logits, axis=-1).astype(mx.uint32), *segment.keys, *segment.values)
-                finally:
-                    segment.keys, segment.values = keys, values
-
-            fn = traced[key] = mx.compile(forward)
-            started = time.perf_counter()
-            out = fn(tokens, g.write, g.table, g.lengths, plan.offsets, *segment.keys, *segment.values)
-            trace_s.append(time.perf_counter() - started)
-        else:
-            out = fn(tokens, g.write, g.table, g.lengths, plan.offsets, *segment.keys, *segment.values)
+            fn = self.traced[key] = mx.compile(self._forward(g.max_length))
+        out = fn(tokens, g.write, g.table, g.lengths, plan.offsets, *segment.keys, *segment.values)
+        if len(self.trace_s) < len(self.traced):
+            self.trace_s.append(time.perf_counter() - started)
         segment.keys[:], segment.values[:] = list(out[1:1 + layers]), list(out[1 + layers:])
         return out[0]
 
-    step.traces = traced  # type: ignore[attr-defined]
-    step.trace_s = trace_s  # type: ignore[attr-defined]
-    return step
+    def _forward(self, max_length: int) -> Callable[..., tuple[mx.array, ...]]:
+        """The step as a function of arrays only; `max_length` matters to the trace only
+        through its partition count (the key above)."""
+        store, segment, model = self.store, self.segment, self.model
+        layers = store.geometry.num_layers
+
+        def forward(tok, write, table, lengths, offsets, *pool):
+            keys, values = segment.keys, segment.values
+            segment.keys, segment.values = list(pool[:layers]), list(pool[layers:])
+            try:
+                group = DecodeGroup(segment, None, write, table, lengths, max_length)
+                caches = decode_caches(DecodePlan([group], offsets, None, store.block_size), layers)
+                logits = model(tok[:, None], cache=caches)[:, -1, :]
+                return (mx.argmax(logits, axis=-1).astype(mx.uint32), *segment.keys, *segment.values)
+            finally:
+                segment.keys, segment.values = keys, values
+
+        return forward
 
 
 def run(step: Callable[..., mx.array], store: KVStore, allocs: list[Any],
-        steps: int) -> tuple[float, list[list[int]]]:
+        steps: int) -> tuple[float, list[list[int]], int]:
+    """Seconds per step, the tokens of every step, and MLX's peak over the start."""
     tokens = mx.zeros((len(allocs),), mx.uint32)
     seen = []
     times = []
     mx.reset_peak_memory()
-    run.base = mx.get_active_memory()  # type: ignore[attr-defined]
+    base = mx.get_active_memory()
     for i in range(steps + 2):
         started = time.perf_counter()
         nxt = step(allocs, tokens)
@@ -107,8 +113,7 @@ def run(step: Callable[..., mx.array], store: KVStore, allocs: list[Any],
             store.advance(a.request_id, 1)
         tokens = nxt
     seen.append(tokens.tolist())
-    run.peak = mx.get_peak_memory() - run.base  # type: ignore[attr-defined]
-    return sum(times) / len(times), seen
+    return sum(times) / len(times), seen, mx.get_peak_memory() - base
 
 
 def main() -> None:
@@ -124,22 +129,21 @@ def main() -> None:
     install_attention_hook(model)
     out: dict[str, Any] = {"batch": a.batch, "context": a.context, "device": str(mx.default_device())}
     store, allocs = fill(model, a.batch, a.context, a.steps + 8)
-    eager_s, eager_tokens = run(lambda al, t: eager_step(model, store, al, t), store, allocs, a.steps)
+    eager_s, eager_tokens, eager_peak = run(lambda al, t: eager_step(model, store, al, t), store, allocs,
+                                            a.steps)
     layer_mb = store.segments[0].keys[0].nbytes / 1e6
-    eager_peak = run.peak  # type: ignore[attr-defined]
     del store, allocs
     store, allocs = fill(model, a.batch, a.context, a.steps + 8)
-    step = compiled_stepper(model, store)
-    compiled_s, compiled_tokens = run(step, store, allocs, a.steps)
+    step = CompiledStep(model, store)
+    compiled_s, compiled_tokens, compiled_peak = run(step, store, allocs, a.steps)
     same = [x == y for x, y in zip(eager_tokens, compiled_tokens, strict=True)]
     out.update(eager_ms=round(eager_s * 1e3, 2), compiled_ms=round(compiled_s * 1e3, 2),
-               traces=len(step.traces),  # type: ignore[attr-defined]
-               trace_s=[round(t, 3) for t in step.trace_s],  # type: ignore[attr-defined]
+               traces=len(step.traced), trace_s=[round(t, 3) for t in step.trace_s],
                same_tokens=all(same), first_difference=None if all(same) else same.index(False),
                # a step's peak over its start, against one layer array of the pool: a step
                # that copied the pool instead of writing in place would exceed it
                peak_mb={"eager": round(eager_peak / 1e6, 1),
-                        "compiled": round(run.peak / 1e6, 1)},  # type: ignore[attr-defined]
+                        "compiled": round(compiled_peak / 1e6, 1)},
                pool_layer_array_mb=round(layer_mb, 1))
     print(json.dumps(out))
 
