@@ -44,6 +44,7 @@ from typing import Any
 import httpx
 
 from bench.loadgen import Workload, run_load
+from bench.periodic import Periodic
 from bench.servers import ROOT, Server, _nvidia_smi_used, stop_all
 
 API_KEY = "bench-key"
@@ -119,12 +120,14 @@ async def query_compute_apps() -> dict[int, int] | None:
 # ---- sampling ---------------------------------------------------------------------------
 
 @dataclass
-class Sampler:
+class Sampler(Periodic):
     server: Server
     interval_s: float = 1.0
     phase: str = "idle"
     samples: list[dict[str, Any]] = field(default_factory=list)
-    _task: asyncio.Task[None] | None = None
+
+    async def tick(self, client: httpx.AsyncClient) -> None:
+        await self.sample(client)
 
     async def sample(self, client: httpx.AsyncClient) -> dict[str, Any]:
         row: dict[str, Any] = {"t": round(time.monotonic(), 3), "phase": self.phase}
@@ -151,23 +154,6 @@ class Sampler:
                            waiting=m["queue"]["waiting"])
         self.samples.append(row)
         return row
-
-    async def _loop(self) -> None:
-        async with httpx.AsyncClient() as client:
-            while True:
-                started = time.monotonic()
-                await self.sample(client)
-                await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
-
-    async def __aenter__(self) -> Sampler:
-        self._task = asyncio.create_task(self._loop())
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
 
 
 def summarise(samples: list[dict[str, Any]]) -> dict[str, Any]:

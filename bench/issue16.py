@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -34,7 +33,9 @@ from typing import Any
 
 import httpx
 
+from bench.device_agreement import query_compute_apps
 from bench.loadgen import Workload, run_load
+from bench.periodic import Periodic
 from bench.servers import ROOT, Server, stop_all
 
 API_KEY = "bench-key"
@@ -57,54 +58,37 @@ SMALL = Plan(prompt=128, new_tokens=32, concurrency=(1, 8, 32), long_prompt=4096
 
 
 async def driver_used(pid: int) -> int | None:
-    """The driver's per-process figure for `pid` (bytes), or None without nvidia-smi."""
-    if shutil.which("nvidia-smi") is None:
-        return None
-    proc = await asyncio.create_subprocess_exec(
-        "nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
-    out, _ = await proc.communicate()
-    for line in out.decode().splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 2 and parts[0] == str(pid) and parts[1].isdigit():
-            return int(parts[1]) << 20  # MiB
-    return None
+    """The driver's per-process figure for `pid` (bytes), or None without nvidia-smi or
+    when the driver does not list `pid`."""
+    apps = await query_compute_apps()
+    return None if apps is None else apps.get(pid)
 
 
 @dataclass
-class Sampler:
+class Sampler(Periodic):
     server: Server
     interval_s: float = 1.0
     samples: list[dict[str, Any]] = field(default_factory=list)
     phase: str = ""
-    _task: asyncio.Task[None] | None = None
+    min_sleep_s: float = 0.05
 
-    async def _loop(self) -> None:
+    def client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(headers=self.server.headers, timeout=5.0)
+
+    async def tick(self, client: httpx.AsyncClient) -> None:
         assert self.server.proc is not None
-        async with httpx.AsyncClient(headers=self.server.headers, timeout=5.0) as client:
-            while True:
-                started = time.monotonic()
-                sample: dict[str, Any] = {"t": round(time.time(), 2), "phase": self.phase,
-                                          "driver_bytes": await driver_used(self.server.proc.pid)}
-                try:
-                    m = (await client.get(self.server.url + "/v1/memory")).json()
-                    sample.update(usage_bytes=m.get("usage_bytes"), usage_source=m.get("usage_source"),
-                                  footprint_bytes=m.get("footprint_bytes"),
-                                  ceiling_bytes=(m.get("ceiling") or {}).get("hard_bytes"),
-                                  kv=m.get("kv"), queue=m.get("queue"),
-                                  peak_bytes=(m.get("allocator") or {}).get("peak_bytes"))
-                except (httpx.HTTPError, ValueError) as exc:
-                    sample["error"] = type(exc).__name__
-                self.samples.append(sample)
-                await asyncio.sleep(max(self.interval_s - (time.monotonic() - started), 0.05))
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._loop())
-
-    async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        sample: dict[str, Any] = {"t": round(time.time(), 2), "phase": self.phase,
+                                  "driver_bytes": await driver_used(self.server.proc.pid)}
+        try:
+            m = (await client.get(self.server.url + "/v1/memory")).json()
+            sample.update(usage_bytes=m.get("usage_bytes"), usage_source=m.get("usage_source"),
+                          footprint_bytes=m.get("footprint_bytes"),
+                          ceiling_bytes=(m.get("ceiling") or {}).get("hard_bytes"),
+                          kv=m.get("kv"), queue=m.get("queue"),
+                          peak_bytes=(m.get("allocator") or {}).get("peak_bytes"))
+        except (httpx.HTTPError, ValueError) as exc:
+            sample["error"] = type(exc).__name__
+        self.samples.append(sample)
 
     def summary(self, phase: str) -> dict[str, Any]:
         rows = [s for s in self.samples if s["phase"] == phase]

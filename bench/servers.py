@@ -9,7 +9,6 @@ failures, whether the process survived, peak memory.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import shutil
 import signal
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from bench.periodic import Periodic
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -134,7 +135,7 @@ async def _nvidia_smi_used() -> int | None:
         return None
 
 
-class Watch:
+class Watch(Periodic):
     """Samples a server while a scenario runs: `async with Watch(server) as w: ...; w.summary()`."""
 
     def __init__(self, server: Server, *, interval_s: float = 0.5, memory_view: bool = False) -> None:
@@ -145,13 +146,12 @@ class Watch:
         self.health_failed: dict[str, int] = {}
         self.peak: dict[str, int] = {}
         self.last_memory: dict[str, Any] | None = None
-        self._task: asyncio.Task[None] | None = None
 
     def _max(self, key: str, value: int | None) -> None:
         if value is not None:
             self.peak[key] = max(self.peak.get(key, 0), int(value))
 
-    async def _sample(self, client: httpx.AsyncClient) -> None:
+    async def tick(self, client: httpx.AsyncClient) -> None:
         try:
             r = await client.get(self.server.url + "/health", timeout=2.0)
             if r.status_code == 200:
@@ -180,23 +180,6 @@ class Watch:
         if self.server.proc is not None:
             self._max("rss_bytes", _rss(self.server.proc.pid))
         self._max("gpu_used_bytes", await _nvidia_smi_used())
-
-    async def _loop(self) -> None:
-        async with httpx.AsyncClient() as client:
-            while True:
-                started = time.monotonic()
-                await self._sample(client)
-                await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
-
-    async def __aenter__(self) -> Watch:
-        self._task = asyncio.create_task(self._loop())
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
 
     def summary(self) -> dict[str, Any]:
         return {
