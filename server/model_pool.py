@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from memory.shared import GuardView, SharedCommitments
 from server.errors import InsufficientStorage, NotFound
 from server.model_fit import LoadAdmission, fit_for_settings, fit_json, read_spec
 from server.settings import Settings
-from server.state import ServerState
+from server.state import ServerState, get_state
 
 log = logging.getLogger("mlx_headroom.server")
 
@@ -461,3 +462,26 @@ async def pooled_state(request: Any, name: str) -> ServerState | None:
     a model outside them, 507 when it cannot be made to fit), else None."""
     pool: ModelPool | None = getattr(request.app.state, "model_pool", None)
     return None if pool is None else await pool.resolve(name)
+
+
+def check_served_model(state: ServerState, name: str) -> None:
+    """The OpenAI APIs' 404 for a model this server does not serve."""
+    if not state.serves(name):
+        raise NotFound(
+            f"The model '{name}' does not exist; this server serves '{state.model_name}'",
+            code="model_not_found", param="model",
+        )
+
+
+async def serving_state(
+    request: Any, name: str, check_model: Callable[[ServerState, str], None]
+) -> ServerState:
+    """For a route: the state that serves `name`, the pool's when several models are
+    configured, else the server's own once `check_model` accepts the name (each API words
+    its own 404)."""
+    pooled = await pooled_state(request, name)
+    if pooled is not None:
+        return pooled
+    state = get_state(request)
+    check_model(state, name)
+    return state

@@ -13,9 +13,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from engine import TokenLogprob
 from server import anthropic, fastjson
 from server.chat_plan import ChatPlan, plan_chat
-from server.errors import APIError, BadRequest, NotFound
+from server.errors import APIError, BadRequest
 from server.generation import ChoiceResult, Generation, gather, prepare
-from server.model_pool import pooled_state
+from server.model_pool import check_served_model, serving_state
 from server.schemas import ChatCompletionRequest, CompletionRequest
 from server.state import ServerState, get_state
 from server.structured import ProcessorFactory, Shaping, check_logit_bias, response_format_grammar
@@ -33,14 +33,6 @@ from server.tools import (
 router = APIRouter()
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def _check_model(state: ServerState, name: str) -> None:
-    if not state.serves(name):
-        raise NotFound(
-            f"The model '{name}' does not exist; this server serves '{state.model_name}'",
-            code="model_not_found", param="model",
-        )
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
@@ -163,11 +155,7 @@ def _tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
 async def chat_completions(
     body: ChatCompletionRequest, request: Request
 ) -> JSONResponse | StreamingResponse:
-    state = get_state(request)
-    if (pooled := await pooled_state(request, body.model)) is not None:
-        state = pooled
-    else:
-        _check_model(state, body.model)
+    state = await serving_state(request, body.model, check_served_model)
     _check_supported(body)
     plan = await _plan_chat(state, body)
     generation = _start(state, body, plan.tokens, body.logprobs, body.top_logprobs or 0,
@@ -274,11 +262,7 @@ async def chat_completions(
 
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
-    state = get_state(request)
-    if (pooled := await pooled_state(request, body.model)) is not None:
-        state = pooled
-    else:
-        _check_model(state, body.model)
+    state = await serving_state(request, body.model, check_served_model)
     _check_supported(body)
     check_logit_bias(state, body.logit_bias_pairs())
     prompts = await _tokenize_prompts(state, body)
@@ -374,7 +358,7 @@ async def retrieve_model(model: str, request: Request) -> dict[str, Any]:
         card = pool.card(model, state.started_at)  # any model it may serve, loaded or not
         if card is not None:
             return card
-    _check_model(state, model)
+    check_served_model(state, model)
     if "anthropic-version" in request.headers:
         return anthropic.model_card(state)
     return _model_card(state)

@@ -25,8 +25,8 @@ from server.anthropic.stream import message_events
 from server.chat_plan import ChatPlan, plan_chat
 from server.errors import NotFound
 from server.generation import Generation, gather, prepare
-from server.model_pool import pooled_state
-from server.state import ServerState, get_state
+from server.model_pool import serving_state
+from server.state import ServerState
 from server.tools import FunctionTool, ToolChoice
 
 router = APIRouter()
@@ -108,11 +108,7 @@ def _start(state: ServerState, body: MessagesRequest, plan: ChatPlan) -> Generat
 
 @router.post("/v1/messages", response_model=None)
 async def create_message(body: MessagesRequest, request: Request) -> JSONResponse | StreamingResponse:
-    state = get_state(request)
-    if (pooled := await pooled_state(request, body.model)) is not None:
-        state = pooled
-    else:
-        _check_model(state, body.model)
+    state = await serving_state(request, body.model, _check_model)
     plan = await _plan(state, body)
     generation = _start(state, body, plan)
     request.state.generation = generation
@@ -133,11 +129,7 @@ async def create_message(body: MessagesRequest, request: Request) -> JSONRespons
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
-    state = get_state(request)
-    if (pooled := await pooled_state(request, body.model)) is not None:
-        state = pooled
-    else:
-        _check_model(state, body.model)
+    state = await serving_state(request, body.model, _check_model)
     return {"input_tokens": len((await _plan(state, body, counting=True)).tokens)}
 
 

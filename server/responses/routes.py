@@ -22,7 +22,7 @@ from server import fastjson
 from server.chat_plan import plan_chat
 from server.errors import APIError, BadRequest, NotFound
 from server.generation import Generation, gather, prepare
-from server.model_pool import pooled_state
+from server.model_pool import check_served_model, serving_state
 from server.responses.builder import ResponseBuilder
 from server.responses.schemas import ResponsesRequest
 from server.responses.store import ResponseStore
@@ -68,12 +68,7 @@ def _sse(event: dict[str, Any]) -> bytes:
 
 @router.post("/v1/responses", response_model=None)
 async def create_response(body: ResponsesRequest, request: Request) -> JSONResponse | StreamingResponse:
-    state = get_state(request)
-    if (pooled := await pooled_state(request, body.model)) is not None:
-        state = pooled
-    elif not state.serves(body.model):
-        raise NotFound(f"The model '{body.model}' does not exist; this server serves '{state.model_name}'",
-                       code="model_not_found", param="model")
+    state = await serving_state(request, body.model, check_served_model)
     name = body.unsupported()
     if name is not None:
         raise BadRequest(f"'{name}' is not supported by this server", code="unsupported_parameter",
