@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.admission import Admission, ChunkSample
+from engine.compiled_decode import CompiledDecode
 from engine.errors import InsufficientMemoryError, MemoryProbeUnavailableError
 from engine.kv import KVStore, install_attention_hook
 from engine.kv.store import default_segment_tokens
@@ -53,6 +54,10 @@ class EngineConfig:
     decode_overlap: bool | None = None  # None: on for CUDA (measured safe), off elsewhere (engine.runner)
     max_step_tokens: int | None = None  # tokens per step, decode rows included (None: prefill_step_size)
     prefill_batch: int = 8  # most prompts' chunks in one prefill model call (1: one per call)
+    # Replay decode steps from traced graphs (engine.compiled_decode). None: on for CUDA,
+    # where the step is host-bound; off elsewhere (not measured to help there).
+    compile_decode: bool | None = None
+    compile_after: int = 4  # steps a batch shape must hold before it is traced
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,8 @@ class EngineStats:
     decode_wait_s: float = 0.0
     prefill_wait_s: float = 0.0
     queue_s: float = 0.0  # inside mx.async_eval (launches; on the CPU, compute MLX throttles)
+    compiled_steps: int = 0  # decode steps replayed from a traced graph (engine.compiled_decode)
+    decode_traces: int = 0  # graphs traced for them
     engine_cpu_s: float = 0.0
     recent_chunks: tuple[ChunkSample, ...] = ()  # oldest first: prediction against measurement
     peak_bytes: int = 0  # MLX's peak active memory since start
@@ -149,7 +156,13 @@ class EngineCore:
         overlap = config.decode_overlap
         if overlap is None:
             overlap = loaded.backend == "cuda"
-        self.batch = Runner(self.model, self.store, overlap=overlap, prefill_batch=config.prefill_batch)
+        compile_decode = config.compile_decode
+        if compile_decode is None:
+            compile_decode = loaded.backend == "cuda"
+        compiled = CompiledDecode(self.model, self.store, loaded.geometry.num_heads,
+                                  after=config.compile_after) if compile_decode else None
+        self.batch = Runner(self.model, self.store, overlap=overlap, prefill_batch=config.prefill_batch,
+                            compiled=compiled)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
         self.inbox: queue.SimpleQueue[_Submit | _Abort | _Call | None] = queue.SimpleQueue()
@@ -675,6 +688,8 @@ class EngineCore:
             decode_wait_s=round(self.batch.decode_wait_s, 6),
             prefill_wait_s=round(self.batch.prefill_wait_s, 6),
             queue_s=round(self.batch.queue_s, 6),
+            compiled_steps=0 if self.batch.compiled is None else self.batch.compiled.replays,
+            decode_traces=0 if self.batch.compiled is None else self.batch.compiled.traces,
             engine_cpu_s=round(self._cpu_s, 6),
             recent_chunks=self.admission.recent_chunks(),
             peak_bytes=self.admission.lifetime_peak_bytes(),

@@ -26,6 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.compiled_decode import CompiledDecode
 from engine.kv import KVStore, decode_caches, plan_decode, prefill_caches
 from engine.kv.prefill import PrefillRow, batch_prefill_caches, group_by_segment, plan_prefill
 from engine.request import TokenLogprob
@@ -43,10 +44,12 @@ class StepToken:
 class Runner:
     def __init__(
         self, model: Any, store: KVStore, *, overlap: bool = False, prefill_batch: int = 8,
+        compiled: CompiledDecode | None = None,
     ) -> None:
         self.model = model
         self.store = store
         self.overlap = overlap
+        self.compiled = compiled  # replays decode steps whose shape holds still (None: all eager)
         self.prefill_batch = max(prefill_batch, 1)  # most chunks in one prefill call
         self.seqs: list[Sequence] = []  # the batch; rows [0, len(pending)) have a token in flight
         self.pending: SampledStep | None = None
@@ -125,8 +128,10 @@ class Runner:
         n_current = 0 if current is None else current.tokens.shape[0]
         inputs = self._inputs(current)
         plan = plan_decode(self.store, [self.store.get(s.request_id) for s in self.seqs])
-        caches = decode_caches(plan, self.store.geometry.num_layers)
-        logits = self.model(inputs[:, None], cache=caches)[:, -1, :]
+        logits = None if self.compiled is None else self.compiled.logits(plan, inputs)
+        if logits is None:
+            caches = decode_caches(plan, self.store.geometry.num_layers)
+            logits = self.model(inputs[:, None], cache=caches)[:, -1, :]
         steps = [s.generated + (1 if i < n_current else 0) for i, s in enumerate(self.seqs)]
         for s in self.seqs:
             self.store.advance(s.request_id, 1)

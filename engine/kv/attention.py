@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx_lm.models.base as mlx_base
 
 from engine.kv.cache import DecodeCache, DecodeGroup
-from engine.kv.cuda_decode import paged_decode
+from engine.kv.cuda_decode import paged_decode, partition_tokens
 
 _ORIGINAL: Callable[..., mx.array] = mlx_base.scaled_dot_product_attention
 _kernel_enabled: bool | None = None
@@ -73,10 +73,25 @@ def decode_attention(queries: mx.array, cache: DecodeCache, scale: float) -> mx.
 def _attend_group(q: mx.array, g: DecodeGroup, layer: int, scale: float, block_size: int) -> mx.array:
     keys, values = g.segment.keys[layer], g.segment.values[layer]
     if g.kernel is None:  # decided once per step: every layer has the same shapes
-        g.kernel = kernel_active() and q.shape[-1] % 32 == 0 and q.shape[1] % keys.shape[1] == 0
+        g.kernel = _takes_kernel(q.shape[1], q.shape[-1], keys.shape[1])
     if g.kernel:
         return paged_decode(q, keys, values, g.table, g.lengths, g.max_length, scale, block_size)
     return plain_decode(q, keys, values, g, scale, block_size)
+
+
+def _takes_kernel(q_heads: int, head_dim: int, kv_heads: int) -> bool:
+    return kernel_active() and head_dim % 32 == 0 and q_heads % kv_heads == 0
+
+
+def decode_graph_key(g: DecodeGroup, q_heads: int, head_dim: int, kv_heads: int,
+                     block_size: int) -> tuple[int, ...]:
+    """What a group's attention graph depends on besides its arrays' shapes: two steps
+    with equal keys (and equal shapes) build the same graph, so a traced step
+    (`engine.compiled_decode`) may replay it. Mirrors the uses of `max_length` below."""
+    if _takes_kernel(q_heads, head_dim, kv_heads):
+        part = partition_tokens(g.write.shape[0], kv_heads, g.max_length)
+        return (1, part, -(-g.max_length // part))
+    return (0, -(-g.max_length // block_size))
 
 
 def plain_decode(

@@ -1,0 +1,99 @@
+"""Decode steps replayed from traced graphs (`engine.compiled_decode`): the same tokens and
+logprobs as eager steps, while rows join, leave and cross block boundaries; and the replayed
+step writes the KV pool in place.
+
+Real engine on the tiny float32 model, greedy. Compilation is on for CUDA by default; the
+tests turn it on for the CPU, whose attention path (`plain_decode`) depends on the context
+length through its block count, so a graph key that missed it would replay stale graphs.
+"""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+
+from engine import EngineRequest, SamplingParams
+from engine.logits_processor import LogitsProcessor
+
+SHAPES = [(13, 60), (300, 45), (45, 70), (128, 30), (7, 52), (90, 64)]
+
+
+def _requests() -> list[EngineRequest]:
+    out = []
+    for i, (n_prompt, max_tokens) in enumerate(SHAPES):
+        rng = random.Random(900 + i)
+        penalised = i % 3 == 2  # a row whose sampler reads back its tokens (the feedback path)
+        params = SamplingParams(
+            temperature=0.0, logprobs=True,
+            processor=LogitsProcessor(frequency_penalty=0.5) if penalised else None,
+        )
+        out.append(EngineRequest(f"c{i}", tuple(rng.randrange(0, 256) for _ in range(n_prompt)),
+                                 max_tokens, params))
+    return out
+
+
+def _run(make_engine, **config: object):
+    h = make_engine(prefill_step_size=64, max_concurrency=8, prefix_cache_bytes=0, **config)
+    requests = _requests()
+    for req in requests[:3]:
+        h.submit(req)
+    h.run_until(lambda: len(h.core.batch.seqs) >= 3)
+    for _ in range(12):  # a batch of three holds long enough to be traced and replayed
+        h.step()
+    for req in requests[3:]:
+        h.submit(req)
+    h.run_until(lambda: h.out.finished.keys() >= {r.request_id for r in requests})
+    return h
+
+
+def test_replayed_steps_give_the_eager_steps_tokens_and_logprobs(make_engine):
+    eager = _run(make_engine, compile_decode=False)
+    compiled = _run(make_engine, compile_decode=True, compile_after=2)
+
+    stats = compiled.core.stats
+    assert eager.core.stats.compiled_steps == 0
+    assert stats.decode_traces >= 2  # several batch sizes held still
+    assert stats.compiled_steps >= 3 * stats.decode_traces  # graphs were replayed, not just traced
+    assert stats.compiled_steps < stats.decode_steps  # ramps stayed eager
+    for req in _requests():
+        rid = req.request_id
+        assert compiled.out.tokens[rid] == eager.out.tokens[rid], rid
+        assert compiled.out.logprobs[rid] == pytest.approx(eager.out.logprobs[rid], abs=1e-4), rid
+        assert len(compiled.out.tokens[rid]) == req.max_tokens
+
+
+def test_a_shape_is_traced_only_after_it_held_for_compile_after_steps(make_engine):
+    h = make_engine(prefill_step_size=64, prefix_cache_bytes=0, compile_decode=True, compile_after=5)
+    h.submit(EngineRequest("a", tuple(range(20)), 40, SamplingParams(temperature=0.0)))
+    h.run_until(lambda: len(h.core.batch.seqs) == 1)  # the step it joined in decoded it once
+    for _ in range(3):
+        h.step()
+    assert h.core.stats.decode_steps == 4
+    assert h.core.stats.decode_traces == 0
+    h.step()
+    assert (h.core.stats.decode_traces, h.core.stats.compiled_steps) == (1, 1)
+
+
+def test_a_replayed_step_writes_the_pool_in_place(make_engine):
+    """With one large segment, a step that copied the pool instead of writing in place
+    would raise MLX's peak by at least one layer array."""
+    h = make_engine(prefill_step_size=64, prefix_cache_bytes=0, compile_decode=True, compile_after=1,
+                    kv_segment_tokens=131_072)
+    for i in range(4):
+        h.submit(EngineRequest(f"w{i}", tuple(range(i, i + 30)), 60, SamplingParams(temperature=0.0)))
+    h.run_until(lambda: len(h.core.batch.seqs) == 4)
+    h.run_until(lambda: h.core.stats.compiled_steps >= 2)  # traced, and replayed once
+    (segment,) = h.core.store.segments.values()
+    layer_bytes = segment.keys[0].nbytes
+    mx.eval(segment.arrays())
+    before = h.core.stats.compiled_steps
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    for _ in range(10):
+        h.step()
+    peak = mx.get_peak_memory() - base
+    assert h.core.stats.compiled_steps == before + 10
+    assert layer_bytes >= 30 << 20
+    assert peak < layer_bytes / 4, (peak, layer_bytes)
