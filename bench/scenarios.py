@@ -98,7 +98,7 @@ async def throughput(server: Server, model: str, sizes: Sizes) -> list[dict[str,
 
 _ENGINE_COUNTERS = ("steps", "decode_steps", "prefill_chunks", "prefill_calls", "generated_tokens",
                     "prompt_tokens", "busy_s", "decode_wait_s", "prefill_wait_s", "queue_s", "engine_cpu_s",
-                    "admission_checks", "admission_s")
+                    "admission_checks", "admission_s", "compiled_steps", "decode_traces")
 
 
 def engine_split(before: dict[str, Any], after: dict[str, Any], wall_s: float) -> dict[str, Any]:
@@ -123,6 +123,9 @@ def engine_split(before: dict[str, Any], after: dict[str, Any], wall_s: float) -
         "idle_pct": round(max(wall_s - busy, 0) / wall_s * 100, 1) if wall_s else None,
         "chunks_per_prefill_call": round(d["prefill_chunks"] / d["prefill_calls"], 2)
         if d["prefill_calls"] else None,
+        # decode steps replayed from a traced graph (engine.compiled_decode)
+        "compiled_pct": round(d["compiled_steps"] / d["decode_steps"] * 100, 1)
+        if d["decode_steps"] else None,
     }
 
 

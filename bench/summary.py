@@ -40,7 +40,8 @@ def compact(data: dict[str, Any]) -> str:
     lines.append("C  mode   run  | bound tok/s | ours tok/s (frac) ok/drop | mlx_lm tok/s (frac) ok/drop "
                  "| ours TTFT p50/p95 ms | ours TPOT p50/p95 ms | mlx_lm TTFT p50 / TPOT p50 "
                  "| step ms = device wait + queue + host, idle %, chunks/call | asyncio thread CPU % "
-                 "| admission ms/step, hand-backs | prefill tok/s (while the engine waits on it)")
+                 "| admission ms/step, hand-backs | prefill tok/s (while the engine waits on it) "
+                 "| replayed steps %, traces")
     for key in sorted(set(ours) | set(theirs), key=lambda k: (k[0], not k[1], k[2])):
         o, t = ours.get(key, {}), theirs.get(key, {})
         c, stream, run = key
@@ -61,7 +62,8 @@ def compact(data: dict[str, Any]) -> str:
             f"{_f(e.get('idle_pct'))}%, {per_call} "
             f"| {_f((o.get('cpu') or {}).get('asyncio_thread_pct'), 1)} "
             f"| {_f(e.get('admission_ms_per_step'), 2)}, {e.get('hand_backs', '-')} "
-            f"| {_f(e.get('prefill_tok_s'), 0)}"
+            f"| {_f(e.get('prefill_tok_s'), 0)} "
+            f"| {_f(e.get('compiled_pct'), 0)}, {e.get('decode_traces', '-')}"
         )
     errors = data.get("errors") or []
     if errors:

@@ -70,6 +70,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         min_chunk_tokens=settings.min_prefill_chunk,
         max_step_tokens=settings.max_step_tokens,
         prefill_batch=settings.prefill_batch,
+        compile_decode=settings.compile_decode,
     )
 
 

@@ -68,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
                        "(default: the prefill step size)")
     serve.add_argument("--prefill-batch", type=int,
                        help="most prompts' chunks one prefill model call takes (default 8; 1: one each)")
+    serve.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
+                       help="replay decode steps from traced graphs once the batch holds still "
+                       "(default: on for CUDA, where the step is host-bound)")
     serve.add_argument("--memory-tier", choices=["safe", "balanced", "aggressive", "custom"])
     serve.add_argument("--memory-ceiling-bytes", type=int)
     serve.add_argument("--memory-probe", choices=["auto", "macos", "linux", "cuda", "allocator"])

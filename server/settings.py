@@ -39,6 +39,9 @@ class Settings(BaseSettings):
     # and the most prompts' chunks one prefill model call takes
     max_step_tokens: int | None = Field(None, ge=16)
     prefill_batch: int = Field(8, ge=1)
+    compile_decode: bool | None = Field(
+        None, description="replay decode steps from traced graphs (default: on for CUDA, off elsewhere)"
+    )
     default_max_tokens: int = Field(512, ge=1)
     max_tokens_cap: int = Field(32768, ge=1)
     shutdown_grace_s: float = Field(30.0, ge=0)
