@@ -1,6 +1,11 @@
 """Decode steps replayed from a traced graph (`mx.compile`) once the batch's shape holds still.
 
-Why: on CUDA the decode step is host-bound. The model's Python builds ~1,650 ops per step
+Off by default (`EngineConfig.compile_decode`): in the server on the H200 it cut the engine
+thread's host time per step (2.7 to 1.9 ms at C=1) but the time moved into
+`mx.async_eval`, and throughput stayed within run-to-run noise (docs/throughput.md,
+session 4). Kept as a switch for backends where the host's share is larger.
+
+Why it was tried: on CUDA the decode step is host-bound. The model's Python builds ~1,650 ops per step
 for an 8B model and MLX encodes each, while the device waits about 0.1 ms per step
 (`docs/throughput.md`). A compiled step skips the Python and fuses elementwise ops:
 `bench/compiled_step.py` measured 11.25 against 9.28 ms per step at batch 32 on the H200,

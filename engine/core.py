@@ -54,9 +54,9 @@ class EngineConfig:
     decode_overlap: bool | None = None  # None: on for CUDA (measured safe), off elsewhere (engine.runner)
     max_step_tokens: int | None = None  # tokens per step, decode rows included (None: prefill_step_size)
     prefill_batch: int = 8  # most prompts' chunks in one prefill model call (1: one per call)
-    # Replay decode steps from traced graphs (engine.compiled_decode). None: on for CUDA,
-    # where the step is host-bound; off elsewhere (not measured to help there).
-    compile_decode: bool | None = None
+    # Replay decode steps from traced graphs (engine.compiled_decode). Off: on the H200 it
+    # cut the engine's host time per step but not the step (docs/throughput.md, session 4).
+    compile_decode: bool = False
     compile_after: int = 4  # steps a batch shape must hold before it is traced
 
 
@@ -156,11 +156,8 @@ class EngineCore:
         overlap = config.decode_overlap
         if overlap is None:
             overlap = loaded.backend == "cuda"
-        compile_decode = config.compile_decode
-        if compile_decode is None:
-            compile_decode = loaded.backend == "cuda"
         compiled = CompiledDecode(self.model, self.store, loaded.geometry.num_heads,
-                                  after=config.compile_after) if compile_decode else None
+                                  after=config.compile_after) if config.compile_decode else None
         self.batch = Runner(self.model, self.store, overlap=overlap, prefill_batch=config.prefill_batch,
                             compiled=compiled)
         self.waiting: deque[Sequence] = deque()

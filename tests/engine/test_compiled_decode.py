@@ -2,9 +2,9 @@
 logprobs as eager steps, while rows join, leave and cross block boundaries; and the replayed
 step writes the KV pool in place.
 
-Real engine on the tiny float32 model, greedy. Compilation is on for CUDA by default; the
-tests turn it on for the CPU, whose attention path (`plain_decode`) depends on the context
-length through its block count, so a graph key that missed it would replay stale graphs.
+Real engine on the tiny float32 model, greedy, with compilation switched on (it is off by
+default). The CPU's attention path (`plain_decode`) depends on the context length through
+its block count, so a graph key that missed it would replay stale graphs.
 """
 
 from __future__ import annotations

@@ -1,0 +1,31 @@
+"""The engine's chunk size and concurrency cap default per MLX backend (`server.settings.
+backend_defaults`), and every consumer reads the same resolved values: the engine's config
+and load admission's mirror of it (`server.model_fit.engine_params`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.app import engine_config
+from server.model_fit import engine_params
+from server.settings import Settings
+
+
+@pytest.mark.parametrize(("backend", "chunk", "cap"),
+                         [("cuda", 2048, 64), ("metal", 512, 32), ("cpu", 512, 32)])
+def test_defaults_follow_the_backend(monkeypatch: pytest.MonkeyPatch, backend: str, chunk: int,
+                                     cap: int) -> None:
+    monkeypatch.setattr("engine.loader.backend_name", lambda: backend)
+    settings = Settings()
+    assert (settings.prefill_step_size, settings.max_concurrency) == (chunk, cap)
+    config = engine_config(settings)
+    assert (config.prefill_step_size, config.max_concurrency) == (chunk, cap)
+    params = engine_params(settings, backend, kv_bytes_per_token=4096, device_bytes=141 << 30)
+    assert params.chunk_tokens == chunk
+
+
+def test_an_explicit_setting_beats_the_backend_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("engine.loader.backend_name", lambda: "cuda")
+    monkeypatch.setenv("MLX_HEADROOM_MAX_CONCURRENCY", "8")
+    settings = Settings(prefill_step_size=512)
+    assert (settings.prefill_step_size, settings.max_concurrency) == (512, 8)
