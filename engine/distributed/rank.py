@@ -46,8 +46,8 @@ def attach(core: EngineCore, lockstep: Lockstep) -> EngineCore:
     assert isinstance(core.admission, LockstepAdmission)
     core.admission.lockstep = lockstep
     core.batch.agree = lockstep.agree_tokens
-    # A sharded model's forward holds collectives; tracing them is not measured here, and
-    # a rank replaying a graph while another steps eagerly would be no faster than the two.
+    # A sharded model's forward holds collectives, whose tracing was never tried: its ranks
+    # always step eagerly, whatever `compile_decode` says.
     core.batch.compiled = None
     return core
 
