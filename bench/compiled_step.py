@@ -5,13 +5,9 @@
 On the H200 the decode step is host-bound (`docs/throughput.md`): the model's Python builds
 ~1,650 ops per step and MLX encodes each. A compiled step replays its traced graph without
 Python and fuses elementwise ops. This measures both paths on one filled KV store, greedy,
-and checks that they pick the same tokens. It is an experiment, not the engine's path:
-
-- the step is a pure function of the tokens, the plan's arrays and the segment's layer
-  arrays, which it returns updated (the KV writes);
-- it is traced once per (batch, table width, kernel partitions): the partition count is
-  baked into the kernel's launch, so a new count needs a new trace, as would a join or a
-  leave (a new batch size). The bench reports how long a trace takes.
+and checks that they pick the same tokens. The compiled path is the engine's own
+(`engine.compiled_decode`, off by default in the server), here tracing each graph key at
+its first step; the bench reports how long a trace takes.
 """
 
 from __future__ import annotations
@@ -25,10 +21,9 @@ from typing import Any
 import mlx.core as mx
 
 from bench.engine_step import fill_row, prefilled_caches
+from engine.compiled_decode import CompiledDecode
 from engine.dummy_model import build_dummy_model, dummy_config
 from engine.kv import KVGeometry, KVStore, decode_caches, install_attention_hook, plan_decode
-from engine.kv.cache import DecodeGroup, DecodePlan
-from engine.kv.cuda_decode import partition_tokens
 from memory import geometry_from_model
 
 
@@ -48,50 +43,22 @@ def eager_step(model: Any, store: KVStore, allocs: list[Any], tokens: mx.array) 
 
 
 class CompiledStep:
-    """A step that traces once per (batch, table width, partitions) and replays after;
-    `trace_s` holds how long each first call (trace) took."""
+    """The engine's compiled decode step (`engine.compiled_decode`), tracing a shape at its
+    first step; `trace_s` holds how long each step that traced took."""
 
     def __init__(self, model: Any, store: KVStore) -> None:
-        (self.segment,) = store.segments.values()
-        self.model, self.store = model, store
-        self.traced: dict[tuple[int, int, int], Any] = {}
+        self.store = store
+        self.compiled = CompiledDecode(model, store, model.args.num_attention_heads, after=1, keep=64)
         self.trace_s: list[float] = []
 
     def __call__(self, allocs: list[Any], tokens: mx.array) -> mx.array:
-        store, segment = self.store, self.segment
-        layers = store.geometry.num_layers
-        plan = plan_decode(store, allocs)
-        (g,) = plan.groups
-        part = partition_tokens(len(allocs), store.geometry.num_kv_heads, g.max_length)
-        key = (len(allocs), g.table.shape[1], -(-g.max_length // part))
-        fn = self.traced.get(key)
+        traces = self.compiled.traces
         started = time.perf_counter()
-        if fn is None:
-            fn = self.traced[key] = mx.compile(self._forward(g.max_length))
-        out = fn(tokens, g.write, g.table, g.lengths, plan.offsets, *segment.keys, *segment.values)
-        if len(self.trace_s) < len(self.traced):
+        logits = self.compiled.logits(plan_decode(self.store, allocs), tokens)
+        assert logits is not None, "the bench's rows live in one segment, so every step replays"
+        if self.compiled.traces > traces:
             self.trace_s.append(time.perf_counter() - started)
-        segment.keys[:], segment.values[:] = list(out[1:1 + layers]), list(out[1 + layers:])
-        return out[0]
-
-    def _forward(self, max_length: int) -> Callable[..., tuple[mx.array, ...]]:
-        """The step as a function of arrays only; `max_length` matters to the trace only
-        through its partition count (the key above)."""
-        store, segment, model = self.store, self.segment, self.model
-        layers = store.geometry.num_layers
-
-        def forward(tok, write, table, lengths, offsets, *pool):
-            keys, values = segment.keys, segment.values
-            segment.keys, segment.values = list(pool[:layers]), list(pool[layers:])
-            try:
-                group = DecodeGroup(segment, None, write, table, lengths, max_length)
-                caches = decode_caches(DecodePlan([group], offsets, None, store.block_size), layers)
-                logits = model(tok[:, None], cache=caches)[:, -1, :]
-                return (mx.argmax(logits, axis=-1).astype(mx.uint32), *segment.keys, *segment.values)
-            finally:
-                segment.keys, segment.values = keys, values
-
-        return forward
+        return mx.argmax(logits, axis=-1).astype(mx.uint32)
 
 
 def run(step: Callable[..., mx.array], store: KVStore, allocs: list[Any],
@@ -138,7 +105,7 @@ def main() -> None:
     compiled_s, compiled_tokens, compiled_peak = run(step, store, allocs, a.steps)
     same = [x == y for x, y in zip(eager_tokens, compiled_tokens, strict=True)]
     out.update(eager_ms=round(eager_s * 1e3, 2), compiled_ms=round(compiled_s * 1e3, 2),
-               traces=len(step.traced), trace_s=[round(t, 3) for t in step.trace_s],
+               traces=step.compiled.traces, trace_s=[round(t, 3) for t in step.trace_s],
                same_tokens=all(same), first_difference=None if all(same) else same.index(False),
                # a step's peak over its start, against one layer array of the pool: a step
                # that copied the pool instead of writing in place would exceed it
