@@ -18,6 +18,7 @@ given (the prefix cache scenario). Completion tokens are counted from the final 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import statistics
@@ -119,12 +120,30 @@ class RequestResult:
     content_chunks: int = 0
     finish_reason: str | None = None
     last_token_at: float | None = None
+    chunk_times: list[float] = field(default_factory=list, repr=False)  # each content chunk's arrival
 
     @property
     def tpot_s(self) -> float | None:
         if self.ttft_s is None or self.last_token_at is None or self.completion_tokens < 2:
             return None
         return (self.last_token_at - self.started - self.ttft_s) / (self.completion_tokens - 1)
+
+
+def steady_gaps(results: list[RequestResult]) -> tuple[list[float], float]:
+    """Gaps between a stream's content chunks while every request decodes: after the last
+    first token, before the first last token (the issue's "TPOT during steady decode", which
+    excludes the steps that prefill others' prompts). Returns the gaps and the window's
+    length in seconds (0 when the requests never all decoded at once). A chunk is one token
+    unless the detokenizer held back a partial character."""
+    streams = [r.chunk_times for r in results if r.outcome == "ok" and len(r.chunk_times) >= 2]
+    if not streams:
+        return [], 0.0
+    start = max(times[0] for times in streams)
+    end = min(times[-1] for times in streams)
+    if end <= start:
+        return [], 0.0
+    gaps = [b - a for times in streams for a, b in itertools.pairwise(times) if a >= start and b <= end]
+    return gaps, end - start
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -154,6 +173,7 @@ class LoadReport:
         ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
         latency = [r.latency_s for r in ok if r.latency_s is not None]
         tpot = [t for r in ok if (t := r.tpot_s) is not None]
+        steady, steady_window_s = steady_gaps(self.results)
         ms = 1000.0
 
         def pct(values: list[float], q: float) -> float | None:
@@ -176,6 +196,9 @@ class LoadReport:
             "ttft_ms_p95": pct(ttft, 95),
             "tpot_ms_p50": pct(tpot, 50),
             "tpot_ms_p95": pct(tpot, 95),
+            "steady_tpot_ms_p50": pct(steady, 50),
+            "steady_tpot_ms_p95": pct(steady, 95),
+            "steady_window_s": round(steady_window_s, 3),
             "latency_ms_p50": pct(latency, 50),
             "latency_ms_p95": pct(latency, 95),
         }
@@ -228,6 +251,7 @@ async def _one(
                         if result.ttft_s is None:
                             result.ttft_s = now - result.started
                         result.last_token_at = now
+                        result.chunk_times.append(now)
                         result.content_chunks += 1
                     if choice.get("finish_reason"):
                         result.finish_reason = choice["finish_reason"]

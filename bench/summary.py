@@ -16,6 +16,12 @@ from pathlib import Path
 from typing import Any
 
 
+def _steady_ratio(point: dict[str, Any]) -> str:
+    """Steady-decode TPOT over the bare model's step at this concurrency (issue 17: ≤ 1.2)."""
+    steady, bare = point.get("steady_tpot_ms_p50"), point.get("bound_decode_step_ms")
+    return f"{steady / bare:.2f}" if steady and bare else "-"
+
+
 def _f(v: Any, digits: int = 0) -> str:
     if v is None:
         return "-"
@@ -38,7 +44,8 @@ def compact(data: dict[str, Any]) -> str:
                      f"(batch {b.get('best_prefill_batch')}); decode step at {b.get('decode_context')} "
                      f"tokens of context: {steps}")
     lines.append("C  mode   run  | bound tok/s | ours tok/s (frac) ok/drop | mlx_lm tok/s (frac) ok/drop "
-                 "| ours TTFT p50/p95 ms | ours TPOT p50/p95 ms | mlx_lm TTFT p50 / TPOT p50 "
+                 "| ours TTFT p50/p95 ms | ours TPOT p50/p95 ms, steady p50 (x bare step) "
+                 "| mlx_lm TTFT p50 / TPOT p50 "
                  "| step ms = device wait + queue + host, idle %, chunks/call | asyncio thread CPU % "
                  "| admission ms/step, hand-backs | prefill tok/s (while the engine waits on it) "
                  "| replayed steps %, traces")
@@ -55,7 +62,8 @@ def compact(data: dict[str, Any]) -> str:
             f"| {_f(t.get('output_tok_s'), 1)} ({_f(t.get('fraction_of_bound'), 3)}) "
             f"{t.get('ok', '-')}/{t.get('dropped', '-')} "
             f"| {_f(o.get('ttft_ms_p50'))}/{_f(o.get('ttft_ms_p95'))} "
-            f"| {_f(o.get('tpot_ms_p50'), 1)}/{_f(o.get('tpot_ms_p95'), 1)} "
+            f"| {_f(o.get('tpot_ms_p50'), 1)}/{_f(o.get('tpot_ms_p95'), 1)}, "
+            f"{_f(o.get('steady_tpot_ms_p50'), 1)} ({_steady_ratio(o)}) "
             f"| {_f(t.get('ttft_ms_p50'))} / {_f(t.get('tpot_ms_p50'), 1)} "
             f"| {_f(e.get('step_ms'), 1)} = {_f(e.get('device_wait_ms_per_step'), 1)} + "
             f"{_f(e.get('queue_ms_per_step'), 1)} + {_f(e.get('host_ms_per_step'), 1)}, "

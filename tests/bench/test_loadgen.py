@@ -30,6 +30,10 @@ def test_loadgen_against_a_real_server(server) -> None:
     assert (s["ok"], s["failed"], s["dropped"]) == (5, 0, 0), s
     assert s["completion_tokens"] == 25
     assert s["output_tok_s"] > 0 and s["ttft_ms_p50"] > 0 and s["tpot_ms_p50"] > 0
+    # three streams at once decode side by side for a while: a steady window, and its gaps
+    s = asyncio.run(run_load(server.url, Workload(3, 48, 40, model="mlx-headroom/tiny-chat",
+                                                  timeout_s=30))).summary()
+    assert s["ok"] == 3 and s["steady_window_s"] > 0 and s["steady_tpot_ms_p50"] > 0, s
     # a 400 is counted as failed, by status
     bad = Workload(1, 48, 0, model="mlx-headroom/tiny-chat")
     s = asyncio.run(run_load(server.url, bad)).summary()
@@ -46,3 +50,17 @@ def test_table_renders_a_results_file() -> None:
             "scenarios": {"throughput": {"ours": [point], "mlx_lm": [point]}}}
     text = markdown(json.loads(json.dumps(data)))
     assert "| throughput C=1, P=8, T=None | output tok/s | 10.0 | 10.0 |" in text
+
+
+def test_steady_tpot_counts_only_the_gaps_while_every_request_decodes() -> None:
+    from bench.loadgen import RequestResult, steady_gaps
+
+    a = RequestResult(0, outcome="ok", chunk_times=[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    b = RequestResult(1, outcome="ok", chunk_times=[3.0, 3.5, 4.0, 4.5, 5.0, 9.0])  # joins late
+    dropped = RequestResult(2, outcome="dropped", chunk_times=[0.0, 100.0])
+    gaps, window = steady_gaps([a, b, dropped])
+    assert window == 3.0  # from b's first chunk to a's last
+    assert sorted(gaps) == [0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 1.0]  # a's ramp and b's tail left out
+    # requests that never decoded at the same time have no steady window
+    assert steady_gaps([RequestResult(0, outcome="ok", chunk_times=[0.0, 1.0]),
+                        RequestResult(1, outcome="ok", chunk_times=[2.0, 3.0])]) == ([], 0.0)
