@@ -33,7 +33,7 @@ from memory import MemoryGuard
 from memory.decision import usage_bytes
 from memory.fit import FitReport
 from memory.shared import GuardView, SharedCommitments
-from server.errors import InsufficientStorage, NotFound
+from server.errors import APIError, InsufficientStorage, NotFound
 from server.model_fit import LoadAdmission, fit_for_settings, fit_json, read_spec
 from server.settings import Settings
 from server.state import ServerState, get_state
@@ -222,7 +222,8 @@ class ModelPool:
 
     async def resolve(self, name: str) -> ServerState:
         """The state to serve `name` with, its model loaded (404 outside the allowed list,
-        507 when it cannot be made to fit); the request holds a lease on it."""
+        507 when it cannot be made to fit, 500 `model_load_failed` with the cause when its
+        files do not load); the request holds a lease on it."""
         entry = self.find(name)
         if entry is None:
             raise NotFound(f"The model '{name}' does not exist; this server serves "
@@ -230,7 +231,13 @@ class ModelPool:
         if entry.state != "loaded" or entry.engine is None or not entry.engine.alive:
             async with self._lock:
                 if entry.state != "loaded":
-                    await self._load(entry, make_room=True)
+                    try:
+                        await self._load(entry, make_room=True)
+                    except APIError:
+                        raise
+                    except Exception as exc:  # the engine logged the traceback
+                        raise APIError(f"The model '{entry.id}' could not be loaded: {exc}",
+                                       code="model_load_failed", param="model") from exc
         self._lease(entry)
         assert entry.view is not None
         return entry.view

@@ -245,3 +245,32 @@ def test_a_second_model_that_does_not_fit_stops_the_start(models_dir: Path, tmp_
         assert beta["state"] == "loaded" and beta["load_check"]["fits"] is False
     finally:
         forced.stop()
+
+
+def test_a_model_whose_files_do_not_load_is_a_clear_error_and_the_rest_keeps_serving(
+    models_dir: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    root = tmp_path / "models"
+    shutil.copytree(models_dir / "alpha", root / "alpha")
+    shutil.copytree(models_dir / "beta", root / "broken")
+    weights = root / "broken" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # truncated
+    proc = ServerProcess(root / "alpha", args=["--allowed-models", str(root), "--memory-probe", "allocator"])
+    proc.start(tmp_path)
+    try:
+        r = complete(proc, "broken")
+        assert r.status_code == 500, r.text
+        error = r.json()["error"]
+        assert error["code"] == "model_load_failed" and error["param"] == "model"
+        assert "'broken' could not be loaded" in error["message"]
+        r = httpx.post(proc.url + "/v1/messages", timeout=60, json={
+            "model": "broken", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 500 and r.json()["type"] == "error", r.text
+        assert "could not be loaded" in r.json()["error"]["message"]
+        assert pool(proc)["broken"]["state"] == "unloaded"
+        assert complete(proc, MODEL).status_code == 200  # the served model is undisturbed
+        assert httpx.get(proc.url + "/health", timeout=10).json()["status"] == "ok"
+    finally:
+        assert proc.stop() == 0
