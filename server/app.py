@@ -31,7 +31,7 @@ from server.openapi_doc import install_openapi_errors
 from server.responses import router as responses_router
 from server.settings import Settings
 from server.state import ServerState
-from server.stats import LatencyWindow, read_sample
+from server.stats import LatencyWindow, one_engine, read_sample
 from server.stats import router as stats_router
 
 log = logging.getLogger("mlx_headroom.server")
@@ -99,7 +99,8 @@ def create_app(
         **({"make_core": make_core} if make_core is not None else {}),
     )
     state = ServerState(settings=settings, engine=engine, guard=guard, load_admission=load_admission)
-    history = History(lambda: read_sample(state))
+    totals = pool.totals if pool is not None else one_engine(state)
+    history = History(lambda: read_sample(state, totals))
     if pool is not None:
         pool.attach_primary(state)
 
@@ -122,6 +123,7 @@ def create_app(
     app = FastAPI(title="mlx-headroom", version="0.1.0", lifespan=lifespan)
     app.state.server = state
     app.state.model_pool = pool
+    app.state.engine_totals = totals  # /v1/stats and the history count every model's engine
     app.state.tensor_parallel = group  # engine.distributed's GroupProbe on rank 0, else None
     install_error_handlers(app, render=anthropic.render)
     app.include_router(openai_router)
@@ -131,7 +133,7 @@ def create_app(
     app.include_router(admin_router)
     app.include_router(metrics_router)
     app.include_router(stats_router)
-    app.state.metrics = metrics = Metrics(state)
+    app.state.metrics = metrics = Metrics(state, totals)
     app.state.history = history
     app.state.latency = latency = LatencyWindow()
 

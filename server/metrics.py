@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from memory import MemoryGuard
 from server.state import ServerState
+from server.stats import Totals
 
 router = APIRouter()
 
@@ -27,26 +28,29 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 
 
 class EngineCollector(Collector):
-    """Gauges and counters read from the engine and the memory guard when scraped."""
+    """Gauges and counters read from the engines and the memory guard when scraped. Queue
+    depth and bytes sum every model's engine; the prefix cache is the served model's."""
 
-    def __init__(self, state: ServerState) -> None:
+    def __init__(self, state: ServerState, totals: Totals) -> None:
         self.state = state
+        self.totals = totals
 
     def collect(self) -> Iterator[Metric]:
         stats = self.state.engine.stats
+        totals = self.totals()
         queue = GaugeMetricFamily("mlx_headroom_queue_depth", "requests in the engine by state",
                                   labels=["state"])
-        queue.add_metric(["waiting"], stats.waiting)
-        queue.add_metric(["prefilling"], stats.prefilling)
-        queue.add_metric(["running"], stats.running)
+        queue.add_metric(["waiting"], totals.waiting)
+        queue.add_metric(["prefilling"], totals.prefilling)
+        queue.add_metric(["running"], totals.running)
         yield queue
 
         guard = self.state.guard
         yield from _memory_gauges(guard)
         yield GaugeMetricFamily("mlx_headroom_committed_bytes",
-                                "memory reserved for admitted requests", value=stats.committed_bytes)
+                                "memory reserved for admitted requests", value=totals.committed_bytes)
         yield GaugeMetricFamily("mlx_headroom_kv_cache_bytes", "KV cache of running requests",
-                                value=stats.kv_bytes)
+                                value=totals.kv_bytes)
 
         decisions = CounterMetricFamily("mlx_headroom_admission_decisions",
                                         "memory guard decisions by outcome", labels=["outcome"])
@@ -70,7 +74,7 @@ class EngineCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, state: ServerState) -> None:
+    def __init__(self, state: ServerState, totals: Totals) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.requests = Counter("mlx_headroom_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=self.registry)
@@ -84,7 +88,7 @@ class Metrics:
         self.tpot = Histogram("mlx_headroom_time_per_output_token_seconds",
                               "decode time per generated token after the first",
                               buckets=TPOT_BUCKETS, registry=self.registry)
-        self.registry.register(EngineCollector(state))
+        self.registry.register(EngineCollector(state, totals))
         self._endpoints: frozenset[str] | None = None
 
     def endpoint(self, scope: dict[str, Any]) -> str:

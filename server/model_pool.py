@@ -37,6 +37,7 @@ from server.errors import APIError, InsufficientStorage, NotFound
 from server.model_fit import LoadAdmission, fit_for_settings, fit_json, read_spec
 from server.settings import Settings
 from server.state import ServerState, get_state
+from server.stats import EngineTotals
 
 log = logging.getLogger("mlx_headroom.server")
 
@@ -129,6 +130,9 @@ class ModelPool:
         self.entries: dict[str, ModelEntry] = {}
         self.unloads: list[Unload] = []
         self.refusals = 0
+        # token counters of engines since unloaded: the pool's totals stay monotonic
+        self.retired_prompt_tokens = 0
+        self.retired_generated_tokens = 0
         self._lock = asyncio.Lock()
         self._ttl_task: asyncio.Task[None] | None = None
         self.base: ServerState | None = None
@@ -372,6 +376,8 @@ class ModelPool:
         entry.state = "unloading"
         before = await self._usage()
         await engine.shutdown(0.0)
+        self.retired_prompt_tokens += engine.stats.prompt_tokens
+        self.retired_generated_tokens += engine.stats.generated_tokens
         await asyncio.to_thread(trim_heap)  # the CPU's freed heap back to the OS (engine/heap.py)
         self.shared.drop(entry.id)
         after = await self._usage()
@@ -404,6 +410,11 @@ class ModelPool:
                             await self._unload(entry, reason="idle")
 
     # ---- views -----------------------------------------------------------------------
+    def totals(self) -> EngineTotals:
+        """Every loaded model's engine summed, with the tokens unloaded ones had counted."""
+        engines = [e.engine.stats for e in self.entries.values() if e.engine is not None]
+        return EngineTotals.of(engines, self.retired_prompt_tokens, self.retired_generated_tokens)
+
     def cards(self, created: int) -> list[dict[str, Any]]:
         return [
             {

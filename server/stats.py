@@ -15,10 +15,14 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
 
+from engine import EngineStats
+from engine.admission import ChunkSample
 from memory import Decision, Outcome
 from memory.decision import usage_bytes
 from server.history import History, Sample
@@ -63,12 +67,50 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
     return {"p50": rank(0.50), "p95": rank(0.95)}
 
 
-def read_sample(state: ServerState) -> Sample:
-    """One sample of the live state, from values the engine and guard publish."""
+@dataclass(frozen=True)
+class EngineTotals:
+    """The server's engines summed: one engine, or every model of the pool (whose token
+    counters also keep what unloaded engines had counted, so rates never go negative)."""
+
+    waiting: int = 0
+    prefilling: int = 0
+    running: int = 0
+    committed_bytes: int = 0
+    kv_bytes: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    recent_chunks: tuple[ChunkSample, ...] = ()  # the engines' newest, oldest first
+
+    @classmethod
+    def of(cls, engines: Iterable[EngineStats], retired_prompt_tokens: int = 0,
+           retired_generated_tokens: int = 0) -> EngineTotals:
+        engines = list(engines)
+        return cls(
+            waiting=sum(e.waiting for e in engines),
+            prefilling=sum(e.prefilling for e in engines),
+            running=sum(e.running for e in engines),
+            committed_bytes=sum(e.committed_bytes for e in engines),
+            kv_bytes=sum(e.kv_bytes for e in engines),
+            prompt_tokens=retired_prompt_tokens + sum(e.prompt_tokens for e in engines),
+            generated_tokens=retired_generated_tokens + sum(e.generated_tokens for e in engines),
+            recent_chunks=tuple(sorted((c for e in engines for c in e.recent_chunks), key=lambda c: c.at)),
+        )
+
+
+Totals = Callable[[], EngineTotals]
+
+
+def one_engine(state: ServerState) -> Totals:
+    """Totals of the server's own engine (`state.engine` may be swapped: read it each time)."""
+    return lambda: EngineTotals.of([state.engine.stats])
+
+
+def read_sample(state: ServerState, totals: Totals) -> Sample:
+    """One sample of the live state, from values the engines and guard publish."""
     guard = state.guard
     snapshot = guard.snapshot()
     ceiling = guard.ceiling(snapshot)
-    stats = state.engine.stats
+    stats = totals()
     counts = guard.counts()
     return Sample(
         at=round(time.time(), 3),
@@ -111,10 +153,10 @@ def _history(samples: list[Sample], period_s: float) -> dict[str, Any]:
 
 
 def build_stats(state: ServerState, history: History, latency: LatencyWindow,
-                since: float | None) -> dict[str, Any]:
-    live = read_sample(state)
+                since: float | None, totals: Totals) -> dict[str, Any]:
+    stats = totals()
+    live = read_sample(state, lambda: stats)
     now = live.at
-    stats = state.engine.stats
     # A window reaching back before the first sample starts at zero: the server is younger.
     zero = Sample(0, 0, 0, 0, True, 0, 0, 0, 0)
     refusal_base = history.at_or_before(now - REFUSAL_WINDOW_S) or zero
@@ -161,4 +203,5 @@ async def get_stats(
     since: float | None = Query(None, description="only history samples newer than this time"),
 ) -> dict[str, Any]:
     app_state = request.app.state
-    return build_stats(get_state(request), app_state.history, app_state.latency, since)
+    return build_stats(get_state(request), app_state.history, app_state.latency, since,
+                       app_state.engine_totals)

@@ -274,3 +274,49 @@ def test_a_model_whose_files_do_not_load_is_a_clear_error_and_the_rest_keeps_ser
         assert httpx.get(proc.url + "/health", timeout=10).json()["status"] == "ok"
     finally:
         assert proc.stop() == 0
+
+
+def test_stats_count_every_models_engine_and_keep_what_unloaded_ones_counted(
+    models_dir: Path, tmp_path: Path
+) -> None:
+    proc = start(models_dir, tmp_path)
+    try:
+        hold_two(proc)
+
+        def throughput() -> dict[str, Any]:
+            r = httpx.get(proc.url + "/v1/stats", timeout=10)
+            assert r.status_code == 200, r.text
+            body: dict[str, Any] = r.json()["throughput"]
+            return body
+
+        for model in (MODEL, "beta"):
+            assert complete(proc, model, max_tokens=4, logit_bias=NO_EOS).status_code == 200
+        both = throughput()
+        assert both["generated_tokens"] == 8  # the two engines', not the primary's 4
+        assert complete(proc, "gamma", max_tokens=4, logit_bias=NO_EOS).status_code == 200
+        assert memory(proc)["models"]["unloads"][-1]["reason"] == "lru"  # an engine went away
+        after = throughput()
+        assert after["generated_tokens"] == 12  # what it had counted stays counted
+        assert after["prompt_tokens"] > both["prompt_tokens"]
+    finally:
+        assert proc.stop() == 0
+
+
+def test_metrics_count_a_request_running_on_a_model_other_than_the_first(
+    models_dir: Path, tmp_path: Path
+) -> None:
+    proc = start(models_dir, tmp_path)
+    try:
+        long = LongRequest(proc, "beta")
+        try:
+            metrics = httpx.get(proc.url + "/metrics", timeout=10).text
+            assert 'mlx_headroom_queue_depth{state="running"} 1.0' in metrics
+            kv = next(line for line in metrics.splitlines()
+                      if line.startswith("mlx_headroom_kv_cache_bytes "))
+            assert float(kv.split()[1]) > 0  # beta's request holds KV; the first model is idle
+            stats = httpx.get(proc.url + "/v1/stats", timeout=10).json()
+            assert stats["in_flight"]["running"] == 1
+        finally:
+            long.stop()
+    finally:
+        assert proc.stop() == 0
