@@ -376,11 +376,12 @@ class ModelPool:
         entry.state = "unloading"
         before = await self._usage()
         await engine.shutdown(0.0)
-        self.retired_prompt_tokens += engine.stats.prompt_tokens
-        self.retired_generated_tokens += engine.stats.generated_tokens
         await asyncio.to_thread(trim_heap)  # the CPU's freed heap back to the OS (engine/heap.py)
         self.shared.drop(entry.id)
         after = await self._usage()
+        # with no await in between, so `totals()` never counts this engine twice or not at all
+        self.retired_prompt_tokens += engine.stats.prompt_tokens
+        self.retired_generated_tokens += engine.stats.generated_tokens
         entry.engine, entry.view, entry.state = None, None, "unloaded"
         record = Unload(entry.id, reason, before, after, entry.weight_bytes)
         self.unloads.append(record)
