@@ -129,21 +129,22 @@ class RequestResult:
         return (self.last_token_at - self.started - self.ttft_s) / (self.completion_tokens - 1)
 
 
-def steady_gaps(results: list[RequestResult]) -> tuple[list[float], float]:
-    """Gaps between a stream's content chunks while every request decodes: after the last
-    first token, before the first last token (the issue's "TPOT during steady decode", which
-    excludes the steps that prefill others' prompts). Returns the gaps and the window's
-    length in seconds (0 when the requests never all decoded at once). A chunk is one token
+def steady_gaps(results: list[RequestResult], concurrency: int) -> tuple[list[float], float]:
+    """Gaps between a stream's content chunks during steady decode (the issue's "TPOT during
+    steady decode"): a gap counts while at least `concurrency` requests decode through it
+    and no request is waiting for its first token, so no step of it prefilled a prompt and
+    the batch was full. Returns the gaps and the seconds they cover. A chunk is one token
     unless the detokenizer held back a partial character."""
-    streams = [r.chunk_times for r in results if r.outcome == "ok" and len(r.chunk_times) >= 2]
-    if not streams:
-        return [], 0.0
-    start = max(times[0] for times in streams)
-    end = min(times[-1] for times in streams)
-    if end <= start:
-        return [], 0.0
-    gaps = [b - a for times in streams for a, b in itertools.pairwise(times) if a >= start and b <= end]
-    return gaps, end - start
+    ok = [r for r in results if r.outcome == "ok" and len(r.chunk_times) >= 2]
+    decoding = [(r.chunk_times[0], r.chunk_times[-1]) for r in ok]
+    prefilling = [(r.started, r.chunk_times[0]) for r in ok]
+    gaps = []
+    for r in ok:
+        for a, b in itertools.pairwise(r.chunk_times):
+            full = sum(1 for first, last in decoding if first <= a and last >= b) >= concurrency
+            if full and not any(start < b and first > a for start, first in prefilling):
+                gaps.append(b - a)
+    return gaps, sum(gaps) / max(concurrency, 1)
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -173,7 +174,7 @@ class LoadReport:
         ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
         latency = [r.latency_s for r in ok if r.latency_s is not None]
         tpot = [t for r in ok if (t := r.tpot_s) is not None]
-        steady, steady_window_s = steady_gaps(self.results)
+        steady, steady_window_s = steady_gaps(self.results, self.workload["concurrency"])
         ms = 1000.0
 
         def pct(values: list[float], q: float) -> float | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from bench.loadgen import Workload, chat_overhead, run_load
 from bench.table import markdown
 from engine.tiny_model import CHAT_TEMPLATE
@@ -55,12 +57,14 @@ def test_table_renders_a_results_file() -> None:
 def test_steady_tpot_counts_only_the_gaps_while_every_request_decodes() -> None:
     from bench.loadgen import RequestResult, steady_gaps
 
-    a = RequestResult(0, outcome="ok", chunk_times=[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
-    b = RequestResult(1, outcome="ok", chunk_times=[3.0, 3.5, 4.0, 4.5, 5.0, 9.0])  # joins late
+    a = RequestResult(0, outcome="ok", started=0.0, chunk_times=[0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    b = RequestResult(1, outcome="ok", started=2.5, chunk_times=[3.0, 3.5, 4.0, 4.5, 5.0, 9.0])
     dropped = RequestResult(2, outcome="dropped", chunk_times=[0.0, 100.0])
-    gaps, window = steady_gaps([a, b, dropped])
-    assert window == 3.0  # from b's first chunk to a's last
-    assert sorted(gaps) == [0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 1.0]  # a's ramp and b's tail left out
-    # requests that never decoded at the same time have no steady window
-    assert steady_gaps([RequestResult(0, outcome="ok", chunk_times=[0.0, 1.0]),
-                        RequestResult(1, outcome="ok", chunk_times=[2.0, 3.0])]) == ([], 0.0)
+    gaps, _ = steady_gaps([a, b, dropped], concurrency=2)
+    # a's gaps before b decodes (one of them while b prefills) and b's tail after a ended are out
+    assert sorted(gaps) == [0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 1.0]
+    # one at a time (C=1): every gap of each request counts, as nothing else prefills meanwhile
+    first = RequestResult(0, outcome="ok", started=0.0, chunk_times=[0.2, 0.3, 0.4])
+    second = RequestResult(1, outcome="ok", started=0.5, chunk_times=[0.7, 0.9])
+    gaps, covered = steady_gaps([first, second], concurrency=1)
+    assert gaps == pytest.approx([0.1, 0.1, 0.2]) and covered == pytest.approx(0.4)
