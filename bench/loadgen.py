@@ -117,10 +117,16 @@ class RequestResult:
     ttft_s: float | None = None
     latency_s: float | None = None
     completion_tokens: int = 0
-    content_chunks: int = 0
     finish_reason: str | None = None
-    last_token_at: float | None = None
     chunk_times: list[float] = field(default_factory=list, repr=False)  # each content chunk's arrival
+
+    @property
+    def content_chunks(self) -> int:
+        return len(self.chunk_times)
+
+    @property
+    def last_token_at(self) -> float | None:
+        return self.chunk_times[-1] if self.chunk_times else None
 
     @property
     def tpot_s(self) -> float | None:
@@ -251,9 +257,7 @@ async def _one(
                         now = time.perf_counter()
                         if result.ttft_s is None:
                             result.ttft_s = now - result.started
-                        result.last_token_at = now
                         result.chunk_times.append(now)
-                        result.content_chunks += 1
                     if choice.get("finish_reason"):
                         result.finish_reason = choice["finish_reason"]
             result.completion_tokens = usage_tokens if usage_tokens is not None else result.content_chunks
