@@ -12,6 +12,7 @@ integer beyond 64 bits that a client sent and a response echoes).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
@@ -27,12 +28,12 @@ _LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe
 
 
 def dumps(obj: Any) -> bytes:
+    out = None
     if orjson is not None:
-        try:
+        # an integer beyond 64 bits echoed from a request is a TypeError: json can write it
+        with contextlib.suppress(TypeError):
             out = orjson.dumps(obj)
-        except TypeError:  # an integer beyond 64 bits echoed from a request: json can write it
-            out = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
-    else:
+    if out is None:
         out = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
     for raw, escaped in _LINE_BREAKS:
         if raw in out:
