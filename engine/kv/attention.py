@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx_lm.models.base as mlx_base
 
 from engine.kv.cache import DecodeCache, DecodeGroup
-from engine.kv.cuda_decode import paged_decode, partition_tokens
+from engine.kv.cuda_decode import paged_decode, partition_split
 
 _ORIGINAL: Callable[..., mx.array] = mlx_base.scaled_dot_product_attention
 _kernel_enabled: bool | None = None
@@ -87,11 +87,11 @@ def decode_graph_key(g: DecodeGroup, q_heads: int, head_dim: int, kv_heads: int,
                      block_size: int) -> tuple[int, ...]:
     """What a group's attention graph depends on besides its arrays' shapes: two steps
     with equal keys (and equal shapes) build the same graph, so a traced step
-    (`engine.compiled_decode`) may replay it. Mirrors the uses of `max_length` below."""
+    (`engine.compiled_decode`) may replay it. Each path's use of `max_length` goes through
+    the same function here as in the path itself."""
     if _takes_kernel(q_heads, head_dim, kv_heads):
-        part = partition_tokens(g.write.shape[0], kv_heads, g.max_length)
-        return (1, part, -(-g.max_length // part))
-    return (0, -(-g.max_length // block_size))
+        return (1, *partition_split(g.write.shape[0], kv_heads, g.max_length))
+    return (0, g.plain_blocks(block_size))
 
 
 def plain_decode(

@@ -82,11 +82,15 @@ class DecodeGroup:
     mask: mx.array | None = None
     kernel: bool | None = None  # the CUDA kernel attends this group (decided at its first layer)
 
+    def plain_blocks(self, block_size: int) -> int:
+        """Blocks the plain path gathers per row: its graph's only use of the length."""
+        return -(-self.max_length // block_size)
+
     def plain_indices(self, block_size: int, kv_heads: int) -> tuple[mx.array, mx.array]:
         """Indices into the pool seen as [slots × H, D], so that one gather yields K in
         SDPA's [B, H, L, D] layout directly (no transposed copy), and the length mask."""
         if self.read is None:
-            nb = -(-self.max_length // block_size)
+            nb = self.plain_blocks(block_size)
             table = self.table[:, :nb]
             within = mx.arange(block_size, dtype=mx.int32)
             slots = (table[:, :, None] * block_size + within[None, None, :]).reshape(table.shape[0], -1)

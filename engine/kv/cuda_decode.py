@@ -210,6 +210,13 @@ def partition_tokens(batch: int, kv_heads: int, max_length: int) -> int:
     return PARTITIONS[-1]
 
 
+def partition_split(batch: int, kv_heads: int, max_length: int) -> tuple[int, int]:
+    """(tokens per partition, partitions) for a step: what the launch, and so the step's
+    graph, depends on of the context length (`engine.kv.attention.decode_graph_key`)."""
+    part = partition_tokens(batch, kv_heads, max_length)
+    return part, -(-max_length // part)
+
+
 @dataclass(frozen=True)
 class _Launch:
     """One step's launch settings: the same for every layer, so built once per step."""
@@ -250,8 +257,7 @@ def paged_decode(
     """q [B, Hq, 1, D]; pools [slots, H, D]; table [B, NB] int32; lengths [B] int32."""
     b, hq, _, d = q.shape
     h = k_pool.shape[1]
-    part = partition_tokens(b, h, max_length)
-    launch = _launch(b, hq, h, d, part, -(-max_length // part), q.dtype, block_size, UNROLL)
+    launch = _launch(b, hq, h, d, *partition_split(b, h, max_length), q.dtype, block_size, UNROLL)
     sc = _scales.get(scale)
     if sc is None:
         sc = _scales[scale] = mx.array([scale], dtype=mx.float32)
