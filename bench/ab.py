@@ -65,6 +65,7 @@ def run(configs: list[Config], command: list[str], runs: int, fields: list[str],
         timeout_s: float | None = None) -> dict[str, Any]:
     values: dict[str, dict[str, list[float]]] = {c.name: {f: [] for f in fields} for c in configs}
     failures: dict[str, list[str]] = {c.name: [] for c in configs}
+    outputs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in configs}
     for _ in range(runs):
         for c in configs:
             proc = subprocess.run([*command, *c.args], env={**os.environ, **c.env}, capture_output=True,
@@ -73,6 +74,7 @@ def run(configs: list[Config], command: list[str], runs: int, fields: list[str],
             if out is None:
                 failures[c.name].append(f"rc={proc.returncode}: {proc.stderr.strip()[-200:]}")
                 continue
+            outputs[c.name].append(out)
             for f in fields:
                 if isinstance(out.get(f), int | float):
                     values[c.name][f].append(float(out[f]))
@@ -83,7 +85,7 @@ def run(configs: list[Config], command: list[str], runs: int, fields: list[str],
             per_field[f] = {"median": round(statistics.median(vs), 3), "min": min(vs), "max": max(vs),
                             "values": vs} if vs else None
         report["configs"][c.name] = {"env": c.env, "args": c.args, "fields": per_field,
-                                     "failures": failures[c.name]}
+                                     "failures": failures[c.name], "outputs": outputs[c.name]}
     return report
 
 

@@ -11,8 +11,10 @@ decode loop adds to the model. `bench/kv_store.py` compares the store with the l
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import re
 import tempfile
 import time
 from typing import Any
@@ -20,6 +22,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
+from bench.host_probe import host_probe
 from engine.dummy_model import build_dummy_model, dummy_config
 from engine.kv import KVGeometry, KVStore, decode_caches, install_attention_hook, plan_decode
 from engine.request import EngineRequest, SamplingParams
@@ -37,12 +40,15 @@ def prefilled_caches(model, context: int) -> list:
     return caches
 
 
-def bare_steps(model, batch: int, context: int, steps: int) -> float:
+def bare_steps(model, batch: int, context: int, steps: int, census: dict | None = None) -> float:
+    """mlx-lm's own batched step; `census` receives its graph's primitives by type."""
     one = prefilled_caches(model, context)
     cache = [BatchKVCache.merge([c] * batch) for c in one]
     y = mx.zeros((batch,), mx.uint32)
     for _ in range(3):
         y = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)
+        if census is not None and not census:
+            census.update(op_census(y))
         mx.eval(y)
     start = time.perf_counter()
     for _ in range(steps):
@@ -56,9 +62,20 @@ def bare_steps(model, batch: int, context: int, steps: int) -> float:
 
 def step_ops(*arrays: mx.array) -> int:
     """Primitives in a step's graph: on CUDA each costs host time to encode and launch."""
+    return sum(op_census(*arrays).values())
+
+
+def op_census(*arrays: mx.array) -> collections.Counter[str]:
+    """The step graph's primitives by name (the dot label's first word)."""
     with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
         mx.export_to_dot(f.name, *arrays)
-        return f.read().count("shape=rectangle")
+        names = re.findall(r'label ?= ?"([A-Za-z0-9_]+)[^"]*"[^\n]*shape=rectangle', f.read())
+    return collections.Counter(names)
+
+
+def census_difference(ours: collections.Counter[str], bare: collections.Counter[str]) -> dict[str, int]:
+    """Per primitive, how many more (or fewer) our step has than the bare one."""
+    return {k: ours[k] - bare[k] for k in sorted(set(ours) | set(bare)) if ours[k] != bare[k]}
 
 
 def fill_row(store: KVStore, one: list, request_id: str, context: int, reserve: int) -> Any:
@@ -76,17 +93,17 @@ def fill_row(store: KVStore, one: list, request_id: str, context: int, reserve: 
     return alloc
 
 
-def graph_ops(model, store: KVStore, decode: Runner) -> int:
-    """Build (never run) one decode step's graph and count its primitives; the segments'
-    arrays are put back, so the lazy writes it made are dropped."""
+def graph_census(model, store: KVStore, decode: Runner) -> collections.Counter[str]:
+    """Build (never run) one decode step's graph and count its primitives by type; the
+    segments' arrays are put back, so the lazy writes it made are dropped."""
     saved = {sid: (list(seg.keys), list(seg.values)) for sid, seg in store.segments.items()}
     plan = plan_decode(store, [store.get(s.request_id) for s in decode.seqs])
     inputs = mx.zeros((len(decode.seqs), 1), mx.uint32)
     logits = model(inputs, cache=decode_caches(plan, store.geometry.num_layers))[:, -1, :]
-    ops = step_ops(decode.sampler.sample(logits, [1] * len(decode.seqs)).tokens)
+    census = op_census(decode.sampler.sample(logits, [1] * len(decode.seqs)).tokens)
     for sid, (keys, values) in saved.items():
         store.segments[sid].keys[:], store.segments[sid].values[:] = keys, values
-    return ops
+    return census
 
 
 def engine_steps(model, batch: int, context: int, steps: int, temperature: float,
@@ -110,7 +127,9 @@ def engine_steps(model, batch: int, context: int, steps: int, temperature: float
         decode.step()
     if split is not None:
         split["segments"] = len(store.segments)
-        split["ops"] = graph_ops(model, store, decode)
+        census = graph_census(model, store, decode)
+        split["ops"] = sum(census.values())
+        split["census"] = census
     wait0, queue0 = decode.decode_wait_s, decode.queue_s
     start = time.perf_counter()
     for _ in range(steps):
@@ -123,6 +142,9 @@ def engine_steps(model, batch: int, context: int, steps: int, temperature: float
         split.update(ms=round(per_step * 1e3, 2), wait_ms=round(wait * 1e3, 2),
                      queue_ms=round(queue * 1e3, 2), host_ms=round((per_step - wait - queue) * 1e3, 2))
     return per_step
+
+
+SUMMED = ("bare_ms", "ms", "wait_ms", "queue_ms", "host_ms", "ops", "bare_ops")
 
 
 def main() -> None:
@@ -145,15 +167,22 @@ def main() -> None:
     model = build_dummy_model(dummy_config(args.model, args.dtype))
     mx.eval(model.parameters())
     out = []
+    combined: dict[str, Any] = {"probe_start": host_probe()}
     for b in (int(x) for x in args.batch.split(",")):
         if args.split_only:
-            bare = bare_steps(model, b, args.context, args.steps)
+            bare_census: collections.Counter[str] = collections.Counter()
+            bare = bare_steps(model, b, args.context, args.steps, census=bare_census)
             for n in (int(x) for x in args.segments.split(",")):
                 split: dict = {}
                 engine_steps(model, b, args.context, args.steps, 0.0, segments=n, split=split)
-                print(json.dumps({"batch": b, "context": args.context, "merge": args.merge,
-                                  "mb_per_buffer": os.environ.get("MLX_MAX_MB_PER_BUFFER"),
-                                  "bare_ms": round(bare * 1e3, 2), **split}), flush=True)
+                census = split.pop("census")
+                line = {"batch": b, "context": args.context, "merge": args.merge,
+                        "bare_ms": round(bare * 1e3, 2), "bare_ops": sum(bare_census.values()), **split,
+                        "ops_over_bare": census_difference(census, bare_census)}
+                print(json.dumps(line), flush=True)
+                suffix = f"_b{b}" + (f"_s{n}" if n != 1 else "")
+                combined.update({f"{k}{suffix}": v for k, v in line.items() if k in SUMMED})
+                combined[f"ops_over_bare{suffix}"] = line["ops_over_bare"]
             continue
         bare = bare_steps(model, b, args.context, args.steps)
         greedy = engine_steps(model, b, args.context, args.steps, 0.0)
@@ -163,6 +192,12 @@ def main() -> None:
                     "engine_sampled_ms": round(sampled * 1e3, 2),
                     "engine_tok_s": round(b / greedy, 1)})
         print(json.dumps(out[-1]), flush=True)
+    if args.split_only:
+        combined["probe_end"] = host_probe()
+        combined["py_loop_us_start"] = combined["probe_start"]["py_loop_us"]
+        combined["py_loop_us"] = combined["probe_end"]["py_loop_us"]
+        combined["env"] = {k: v for k, v in os.environ.items() if k.startswith("MLX_")}
+        print(json.dumps(combined), flush=True)
 
 
 if __name__ == "__main__":
