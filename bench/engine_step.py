@@ -94,15 +94,15 @@ def fill_row(store: KVStore, one: list, request_id: str, context: int, reserve: 
 
 
 def graph_census(model, store: KVStore, decode: Runner) -> collections.Counter[str]:
-    """Build (never run) one decode step's graph and count its primitives by type; the
-    segments' arrays are put back, so the lazy writes it made are dropped."""
-    saved = {sid: (list(seg.keys), list(seg.values)) for sid, seg in store.segments.items()}
+    """Build one decode step's graph and count its primitives by type. Slice assignment
+    rebinds the pool's arrays in place, so the step's KV writes (into each row's next
+    slot, which the real steps overwrite) are evaluated here rather than left to join
+    the next step's graph."""
     plan = plan_decode(store, [store.get(s.request_id) for s in decode.seqs])
     inputs = mx.zeros((len(decode.seqs), 1), mx.uint32)
     logits = model(inputs, cache=decode_caches(plan, store.geometry.num_layers))[:, -1, :]
     census = op_census(decode.sampler.sample(logits, [1] * len(decode.seqs)).tokens)
-    for sid, (keys, values) in saved.items():
-        store.segments[sid].keys[:], store.segments[sid].values[:] = keys, values
+    mx.eval([a for seg in store.segments.values() for a in seg.arrays()])
     return census
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from engine.fusion import fuse_projections as fuse
 from engine.kv import KVGeometry
 from engine.tiny_model import ensure_default_model
 from memory import ModelGeometry, geometry_from_model
@@ -47,6 +48,7 @@ class LoadedModel:
     backend: str
     context_length: int
     weight_bytes: int
+    fused_groups: int = 0  # projection groups fused into one matmul at load (engine.fusion)
 
     def make_cache(self) -> list[KVCache]:
         return make_prompt_cache(self.model)
@@ -79,6 +81,7 @@ def load_model(
     model_id: str | None = None,
     load_format: str = "auto",
     dtype: str | None = None,
+    fuse_projections: bool = True,
     progress: Callable[[str], None] = log.info,
 ) -> LoadedModel:
     import mlx_lm
@@ -102,6 +105,7 @@ def load_model(
         progress(f"loading model {name} from {source}")
         loaded_model, tokenizer = mlx_lm.load(source)
     mx.eval(loaded_model.parameters())
+    fused = fuse(loaded_model).groups if fuse_projections else 0
     path = Path(source) if Path(source).exists() else None
     if path is None:
         from mlx_lm.utils import _download
@@ -118,11 +122,12 @@ def load_model(
         backend=backend_name(),
         context_length=_context_length(path, tokenizer),
         weight_bytes=weight_bytes,
+        fused_groups=fused,
     )
     progress(
         f"loaded {name} in {time.monotonic() - started:.1f}s: {weight_bytes / 2**20:.1f} MiB of "
         f"weights, {geometry.num_layers} layers, context {loaded.context_length}, "
-        f"backend {loaded.backend}"
+        f"backend {loaded.backend}, {fused} projection groups fused"
     )
     return loaded
 

@@ -68,15 +68,26 @@ class LoadRequirement:
     reserve_tokens: int  # after capping at the model's context
     reserve_kv_bytes: int
     margin_bytes: int  # that prompt's largest prefill chunk
+    # One projection group held twice while the loader fuses it (engine.fusion), before
+    # any KV exists: it counts only where it exceeds the reserve's KV and chunk.
+    fusion_bytes: int = 0
+
+    @property
+    def after_weights_bytes(self) -> int:
+        return max(self.reserve_kv_bytes + self.margin_bytes, self.fusion_bytes)
 
     @property
     def total_bytes(self) -> int:
-        return self.baseline_bytes + self.weight_bytes + self.reserve_kv_bytes + self.margin_bytes
+        return self.baseline_bytes + self.weight_bytes + self.after_weights_bytes
 
     def describe(self) -> str:
+        if self.fusion_bytes > self.reserve_kv_bytes + self.margin_bytes:
+            beside = f"fusing one projection group at load {fb(self.fusion_bytes)}"
+        else:
+            beside = (f"KV for {self.reserve_tokens} reserved tokens {fb(self.reserve_kv_bytes)} + "
+                      f"one prefill chunk {fb(self.margin_bytes)}")
         return (
-            f"weights {fb(self.weight_bytes)} + KV for {self.reserve_tokens} reserved tokens "
-            f"{fb(self.reserve_kv_bytes)} + one prefill chunk {fb(self.margin_bytes)} + "
+            f"weights {fb(self.weight_bytes)} + {beside} + "
             f"{fb(self.baseline_bytes)} already in use = {fb(self.total_bytes)}"
         )
 
@@ -104,6 +115,7 @@ def load_requirement(
         reserve_tokens=reserve,
         reserve_kv_bytes=walk.kv_bytes,
         margin_bytes=margin,
+        fusion_bytes=spec.weights.largest_fused_group_bytes if params.fuse_projections else 0,
     )
 
 

@@ -37,6 +37,7 @@ class EngineParams:
     margin: float = DEFAULT_MARGIN
     kv_block_tokens: int = 16
     kv_segment_tokens: int = 2048  # a new segment's default size, in tokens
+    fuse_projections: bool = True  # the loader fuses q/k/v and gate/up (memory.weights.FUSED_GROUPS)
 
 
 def reservation_bytes(

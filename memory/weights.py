@@ -23,6 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_GROUP_SIZE = 64  # mlx-lm's default quantization group
+# Projections that read the same input, fused into one matmul at load (engine.fusion):
+# loading holds one group's weights twice while its concatenation is built.
+FUSED_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 SCALE_BYTES = 2  # scales and biases are stored in the model's 16-bit dtype
 
 
@@ -57,6 +60,7 @@ class WeightInventory:
     quantizable_elements: int  # logical elements of quantizable (or quantized) matrices
     quantizable_bytes: int  # their bytes as stored now (packed words + scales + biases)
     quantization: Quantization | None = None  # the model's own, if quantized
+    largest_fused_group_bytes: int = 0  # the most one projection group takes (FUSED_GROUPS)
 
     @property
     def other_bytes(self) -> int:
@@ -125,7 +129,22 @@ def inventory_from_tensors(
         elif len(t.shape) == 2 and t.shape[-1] % DEFAULT_GROUP_SIZE == 0:
             q_elements += t.elements
             q_bytes += t.nbytes
-    return WeightInventory(total, q_elements, q_bytes, quantization)
+    return WeightInventory(total, q_elements, q_bytes, quantization,
+                           largest_fused_group_bytes(by_name.values()))
+
+
+def largest_fused_group_bytes(tensors: Iterable[TensorInfo]) -> int:
+    """Bytes of the largest complete projection group (``…q_proj.*`` + ``…k_proj.*`` +
+    ``…v_proj.*`` under one parent, or gate/up): what fusing it at load adds for a moment."""
+    by_group: dict[tuple[str, int], dict[str, int]] = {}
+    for t in tensors:
+        parent, _, rest = t.name.rpartition(".")[0].rpartition(".")
+        for g, names in enumerate(FUSED_GROUPS):
+            if rest in names:
+                members = by_group.setdefault((parent, g), {})
+                members[rest] = members.get(rest, 0) + t.nbytes
+    return max((sum(m.values()) for (_, g), m in by_group.items() if len(m) == len(FUSED_GROUPS[g])),
+               default=0)
 
 
 def quantization_from_config(config: Mapping[str, Any]) -> Quantization | None:

@@ -192,6 +192,7 @@ def _model_view(state: ServerState) -> dict[str, Any]:
         "name": state.model_name,
         "weight_bytes": loaded.weight_bytes if loaded else None,
         "context_length": loaded.context_length if loaded else None,
+        "fused_projection_groups": loaded.fused_groups if loaded else None,
         "reserve_context_tokens": None,
         "reserve_met": None,
         "forced": False,

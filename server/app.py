@@ -91,7 +91,8 @@ def create_app(
     pool = ModelPool(settings, guard, on_death=on_engine_death) if wants_pool(settings) else None
     engine = EngineClient(
         load=load or (lambda: load_model(settings.model, model_id=settings.public_model_name,
-                                         load_format=settings.load_format, dtype=settings.dtype)),
+                                         load_format=settings.load_format, dtype=settings.dtype,
+                                         fuse_projections=settings.fuse_projections)),
         guard=pool.guard_for(pool.primary) if pool else guard,
         config=engine_config(settings),
         max_queue=settings.max_queue,

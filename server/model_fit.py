@@ -63,6 +63,7 @@ def engine_params(
         backend=backend,
         kv_block_tokens=config.kv_block_size,
         kv_segment_tokens=segment,
+        fuse_projections=settings.fuse_projections,
     )
 
 
@@ -161,6 +162,7 @@ def fit_json(report: FitReport) -> dict[str, Any]:
         "reserve_context_tokens": load.reserve_tokens,
         "reserve_kv_bytes": load.reserve_kv_bytes,
         "margin_bytes": load.margin_bytes,
+        "fusion_bytes": load.fusion_bytes,
         "ceiling": {
             "hard_bytes": report.ceiling.hard_bytes,
             "binding": report.ceiling.binding,

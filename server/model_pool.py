@@ -162,7 +162,7 @@ class ModelPool:
         s = self.settings
         return EngineClient(
             load=lambda: load_model(entry.path, model_id=entry.id, load_format=s.load_format,
-                                    dtype=s.dtype),
+                                    dtype=s.dtype, fuse_projections=s.fuse_projections),
             guard=self.guard_for(entry), config=engine_config(s), max_queue=s.max_queue,
             on_death=self.on_death,
         )

@@ -66,6 +66,9 @@ class Settings(BaseSettings):
     max_step_tokens: int | None = Field(None, ge=16)
     prefill_batch: int = Field(8, ge=1)
     compile_decode: bool = Field(False, description="replay decode steps from traced graphs (mx.compile)")
+    fuse_projections: bool = Field(
+        True, description="one matmul for q/k/v and one for gate/up per layer, fused at load (engine.fusion)"
+    )
     default_max_tokens: int = Field(512, ge=1)
     max_tokens_cap: int = Field(32768, ge=1)
     shutdown_grace_s: float = Field(30.0, ge=0)

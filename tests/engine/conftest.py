@@ -67,10 +67,11 @@ def tiny_loaded(tiny_model_path: Path) -> LoadedModel:
 
 @pytest.fixture
 def make_engine(tiny_loaded: LoadedModel) -> Callable[..., Harness]:
-    def make(guard: MemoryGuard | None = None, **config: object) -> Harness:
+    def make(guard: MemoryGuard | None = None, loaded: LoadedModel | None = None,
+             **config: object) -> Harness:
         guard = guard or MemoryGuard(AllocatorProbe(), enabled=False)
         out = Collected()
-        core = EngineCore(tiny_loaded, guard, EngineConfig(**config), out)  # type: ignore[arg-type]
+        core = EngineCore(loaded or tiny_loaded, guard, EngineConfig(**config), out)  # type: ignore[arg-type]
         return Harness(core, out)
 
     return make

@@ -23,6 +23,7 @@ from memory.weights import (
     Quantization,
     TensorInfo,
     inventory_from_tensors,
+    largest_fused_group_bytes,
     parse_safetensors_header,
     quantization_from_config,
 )
@@ -127,6 +128,39 @@ def test_llama3_8b_weight_bytes_match_the_published_checkpoints() -> None:
     assert bf16.total_bytes == 16_060_522_496  # 8.03 B parameters × 2 bytes
     q4 = inventory_from_tensors(llama_tensors(LLAMA3_8B, Quantization(4)), Quantization(4))
     assert 4.4e9 < q4.total_bytes < 4.6e9  # mlx-community/Meta-Llama-3-8B-Instruct-4bit: 4.52 GB
+
+
+def test_the_largest_fused_group_is_one_layers_gate_and_up() -> None:
+    """The loader fuses q/k/v and gate/up (engine.fusion): loading holds one group twice."""
+    h, inter = LLAMA3_8B["hidden_size"], LLAMA3_8B["intermediate_size"]
+    assert inventory_from_tensors(llama_tensors(LLAMA3_8B)).largest_fused_group_bytes == 2 * (2 * inter * h)
+    q4 = llama_tensors(LLAMA3_8B, Quantization(4))
+    gate_up = sum(t.nbytes for t in q4 if t.name.startswith(("model.layers.3.mlp.gate_proj.",
+                                                              "model.layers.3.mlp.up_proj.")))
+    assert largest_fused_group_bytes(q4) == gate_up  # packed words, scales and biases
+    # an incomplete group (no up_proj) is not fused, so it adds nothing
+    partial = [t for t in llama_tensors(LLAMA3_8B) if ".up_proj." not in t.name]
+    qkv = sum(t.nbytes for t in partial if t.name.startswith("model.layers.0.self_attn.")
+              and ".o_proj." not in t.name)
+    assert largest_fused_group_bytes(partial) == qkv
+
+
+def test_load_counts_the_fusion_transient_only_where_it_exceeds_the_reserve() -> None:
+    spec = llama_spec()
+    group = spec.weights.largest_fused_group_bytes
+    common = dict(baseline_bytes=300 * MiB, max_tokens=512)
+    # a one-token reserve in one-block segments: KV and chunk smaller than one gate/up pair
+    tiny = dict(chunk_tokens=32, kv_segment_tokens=16)
+    small = compute_fit(spec, custom(32 * GiB), reserve_tokens=1, params=EngineParams(**tiny), **common)
+    unfused = compute_fit(spec, custom(32 * GiB), reserve_tokens=1,
+                          params=EngineParams(**tiny, fuse_projections=False), **common)
+    assert unfused.load.reserve_kv_bytes + unfused.load.margin_bytes < group
+    assert small.load.total_bytes == 300 * MiB + spec.weight_bytes + group
+    assert unfused.load.total_bytes < small.load.total_bytes
+    assert "fusing one projection group" in small.load.describe()
+    large = compute_fit(spec, custom(32 * GiB), reserve_tokens=8192, params=EngineParams(), **common)
+    assert large.load.total_bytes == (300 * MiB + spec.weight_bytes + large.load.reserve_kv_bytes
+                                      + large.load.margin_bytes)
 
 
 @pytest.mark.parametrize("config, expected", [

@@ -70,7 +70,8 @@ def test_force_load_starts_and_says_the_reserve_is_not_met(tmp_path: Path) -> No
         memory = httpx.get(proc.url + "/v1/memory").json()
         model = memory["model"]
         assert (model["reserve_met"], model["forced"]) == (False, True)
-        assert model["weight_bytes"] == 2_629_120  # the tiny preset in float32
+        assert model["weight_bytes"] == 2_629_120  # the tiny preset in float32, fused or not
+        assert model["fused_projection_groups"] == 8  # q/k/v and gate/up of its 4 layers
         assert model["reserve_context_tokens"] == 8192
         check = model["load_check"]
         assert check["required_bytes"] > memory["ceiling"]["hard_bytes"] == 25_000_000
