@@ -23,6 +23,7 @@ import mlx.core as mx
 from bench.compiled_step import CompiledStep, eager_step, fill, run
 from bench.host_probe import python_loop_us
 from engine.dummy_model import build_dummy_model, dummy_config
+from engine.fusion import fuse_projections
 from engine.kv import install_attention_hook
 
 
@@ -53,9 +54,13 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--block", type=int, default=30, help="steps per block")
+    p.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=True,
+                   help="fuse q/k/v and gate/up first, as the loader does (engine.fusion)")
     a = p.parse_args()
     model = build_dummy_model(dummy_config(a.model, a.dtype))
     mx.eval(model.parameters())
+    if a.fuse:
+        fuse_projections(model)
     install_attention_hook(model)
     for b in (int(x) for x in a.batch.split(",")):
         print(json.dumps(interleave(model, b, a.context, a.rounds, a.block)), flush=True)
