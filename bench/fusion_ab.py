@@ -12,9 +12,7 @@ time for each, and whether the two pick the same greedy tokens.
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 import time
 from typing import Any
 
@@ -23,6 +21,7 @@ import mlx.core as mx
 from bench.compiled_step import eager_step, fill, run
 from bench.engine_step import census_difference, op_census
 from bench.host_probe import python_loop_us
+from bench.step_interleave import paired, paired_parser
 from engine.dummy_model import build_dummy_model, dummy_config
 from engine.fusion import fuse_projections
 from engine.kv import decode_caches, install_attention_hook, plan_decode
@@ -64,11 +63,7 @@ def interleave(models: dict[str, Any], batch: int, context: int, rounds: int, bl
             seconds, seen, _ = run(lambda al, t, m=model: eager_step(m, store, al, t), store, allocs, block)
             ms[name].append(round(seconds * 1e3, 3))
             tokens.setdefault(name, seen)
-    ratios = [f / s for s, f in zip(ms["separate"], ms["fused"], strict=True)]
-    return {"batch": batch, "context": context, "block_steps": block,
-            "separate_ms": statistics.median(ms["separate"]), "fused_ms": statistics.median(ms["fused"]),
-            "fused_over_separate": round(statistics.median(ratios), 3),
-            "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
+    return {"batch": batch, "context": context, "block_steps": block, **paired(ms, "separate", "fused"),
             "ops": {name: sum(c.values()) for name, c in census.items()},
             "ops_fused_minus_separate": census_difference(census["fused"], census["separate"]),
             "first_block_same_tokens": tokens["separate"] == tokens["fused"],
@@ -76,13 +71,7 @@ def interleave(models: dict[str, Any], batch: int, context: int, rounds: int, bl
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--dtype")
-    p.add_argument("--batch", default="1,32")
-    p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--block", type=int, default=30, help="steps per block")
+    p = paired_parser(__doc__.split("\n\n")[0])
     p.add_argument("--prefill", default="1x2048,4x1024", help="BxT shapes of a prefill forward to time")
     a = p.parse_args()
     config = dummy_config(a.model, a.dtype)

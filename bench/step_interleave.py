@@ -38,22 +38,33 @@ def interleave(model: Any, batch: int, context: int, rounds: int, block: int) ->
         for name, step in paths.items():
             seconds, _, _ = run(step, store, allocs, block)
             ms[name].append(round(seconds * 1e3, 3))
-    ratios = [c / e for e, c in zip(ms["eager"], ms["compiled"], strict=True)]
-    return {"batch": batch, "context": context, "block_steps": block,
-            "eager_ms": statistics.median(ms["eager"]), "compiled_ms": statistics.median(ms["compiled"]),
-            "compiled_over_eager": round(statistics.median(ratios), 3),
-            "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
+    return {"batch": batch, "context": context, "block_steps": block, **paired(ms, "eager", "compiled"),
             "traces": compiled.compiled.traces, "per_round": ms, "py_loop_us": loops}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def paired(ms: dict[str, list[float]], base: str, other: str) -> dict[str, Any]:
+    """Each path's median ms per step, and the median and range of the per-round ratios
+    (neighbouring blocks see nearly the same host, so the ratio is the figure)."""
+    ratios = [o / b for b, o in zip(ms[base], ms[other], strict=True)]
+    return {f"{base}_ms": statistics.median(ms[base]), f"{other}_ms": statistics.median(ms[other]),
+            f"{other}_over_{base}": round(statistics.median(ratios), 3),
+            "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)]}
+
+
+def paired_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments of an interleaved decode-step A/B (this one, `bench.fusion_ab`)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--model", default="tiny")
     p.add_argument("--dtype")
     p.add_argument("--batch", default="1,32")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--block", type=int, default=30, help="steps per block")
+    return p
+
+
+def main() -> None:
+    p = paired_parser(__doc__.split("\n\n")[0])
     p.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=True,
                    help="fuse q/k/v and gate/up first, as the loader does (engine.fusion)")
     a = p.parse_args()
