@@ -34,17 +34,22 @@ class PrefillTimer:
     def __init__(self, runner: Runner) -> None:
         self.calls: list[dict[str, Any]] = []
         self._seen: set[tuple[int, int]] = set()
+        self._batches: set[int] = set()  # decode batch sizes seen when a prefill call started
+        self._runner = runner
         self._inner = runner.prefill
         runner.prefill = self  # type: ignore[method-assign]
 
     def __call__(self, chunks: Any) -> int:
         shape = (len(chunks), max(t for _, t in chunks))
+        decoding = len(self._runner.seqs)  # the queued decode step's batch, which settle() waits for
         started = time.perf_counter()
         calls = self._inner(chunks)
         self.calls.append({"rows": shape[0], "tokens": sum(t for _, t in chunks), "padded": shape[1],
-                           "new_shape": shape not in self._seen,
+                           "new_shape": shape not in self._seen, "decoding": decoding,
+                           "new_decode_batch": decoding not in self._batches,
                            "ms": round((time.perf_counter() - started) * 1e3, 2)})
         self._seen.add(shape)
+        self._batches.add(decoding)
         return calls
 
 
@@ -118,7 +123,7 @@ def main() -> None:
         "new_shapes": sum(c["new_shape"] for c in calls),
         "decode_steps": core.stats.decode_steps,
         "decode_wait_s": round(core.batch.decode_wait_s, 2), "queue_s": round(core.batch.queue_s, 2),
-        "calls_sample": calls[:: max(len(calls) // 40, 1)],
+        "slow_calls": [dict(c, index=i) for i, c in enumerate(calls) if c["ms"] > 300],
     }), flush=True)
 
 
