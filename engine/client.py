@@ -20,6 +20,7 @@ from engine.core import EngineConfig, EngineCore, EngineStats
 from engine.errors import EngineDeadError, QueueFullError
 from engine.loader import LoadedModel
 from engine.request import EngineRequest, RequestOutput
+from engine.warmup import should_warm_up, warm_up
 from memory import MemoryGuard
 
 log = logging.getLogger("mlx_headroom.engine")
@@ -106,6 +107,8 @@ class EngineClient:
             try:
                 self.loaded = self._load()
                 self.core = self._make_core(self.loaded, self.guard, self.config, self._publish)
+                if should_warm_up(self.config.warm_up, self.loaded.backend) and self.core.lockstep is None:
+                    warm_up(self.core)
             except BaseException as exc:
                 log.exception("the engine failed to start")
                 self._dead = exc

@@ -58,6 +58,9 @@ class EngineConfig:
     # cut the engine's host time per step but not the step (docs/throughput.md, session 4).
     compile_decode: bool = False
     compile_after: int = 4  # steps a batch shape must hold before it is traced
+    # Run a few small requests before serving, so that first-use kernel compilation is not
+    # paid inside users' requests (engine.warmup). None: on for CUDA, where it was measured.
+    warm_up: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,7 @@ class EngineStats:
     recent_chunks: tuple[ChunkSample, ...] = ()  # oldest first: prediction against measurement
     peak_bytes: int = 0  # MLX's peak active memory since start
     cache_limit_bytes: int = 0  # MLX's cache limit, as read back from MLX
+    warmup_s: float = 0.0  # the start-up warm-up's wall time (engine.warmup); 0: none ran
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,7 @@ class EngineCore:
         self._prefilling_batch: list[Sequence] = []  # the chunks of the prefill call in flight
         self._busy_s = 0.0  # wall time inside step()
         self._cpu_s = 0.0  # the engine thread's CPU time inside step()
+        self.warmup_s = 0.0
         # Tensor parallel (engine.distributed): every rank steps in lockstep with rank 0,
         # on rank 0's clock. None and the wall clock on a single device.
         self.lockstep: Any = None
@@ -691,6 +696,7 @@ class EngineCore:
             recent_chunks=self.admission.recent_chunks(),
             peak_bytes=self.admission.lifetime_peak_bytes(),
             cache_limit_bytes=self.admission.cache_limit_bytes,
+            warmup_s=round(self.warmup_s, 3),
         )
 
     def follow_memory_policy(self) -> int:

@@ -71,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
                        help="replay decode steps from traced graphs once the batch holds still "
                        "(default off: no measured gain on the H200)")
+    serve.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
+                       help="run a few small requests before serving, so first-use kernel compilation "
+                       "is not paid inside requests (default: on CUDA only)")
     serve.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=None,
                        help="one matmul for q/k/v and one for gate/up per layer, fused at load "
                        "(default on)")

@@ -66,6 +66,9 @@ class Settings(BaseSettings):
     max_step_tokens: int | None = Field(None, ge=16)
     prefill_batch: int = Field(8, ge=1)
     compile_decode: bool = Field(False, description="replay decode steps from traced graphs (mx.compile)")
+    warm_up: bool | None = Field(
+        None, description="run a few small requests before serving (None: on CUDA; engine.warmup)"
+    )
     fuse_projections: bool = Field(
         True, description="one matmul for q/k/v and one for gate/up per layer, fused at load (engine.fusion)"
     )

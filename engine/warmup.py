@@ -1,0 +1,84 @@
+"""Pay the backend's first-use kernel compilation before the first request, not inside it.
+
+Measured on the H200 (docs/throughput.md, session 6, `bench.continuous_prefill`): in a
+fresh machine's first process the first prefill call took 19.2 s and a later one 2.7 s,
+while every request in flight waited (TTFT p95 23.6 s at C=32); a second process on the
+same machine took 0.34 s for its first call and had no stall, because the compiled kernels
+are cached on disk by then. So where the backend compiles kernels on first use (CUDA), the
+engine runs a few small requests through its own path before the server reports ready:
+two prompts of one length (a batched, causal prefill call), one shorter (a masked or a
+single call), then decode steps at batch sizes 1 to 3. They go through admission like any
+request, so a machine without room for them refuses them rather than running out of
+memory; their outputs go nowhere, and their prompts leave the prefix cache afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from engine.request import EngineRequest, RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from engine.core import EngineCore
+
+log = logging.getLogger("mlx_headroom.engine")
+
+PROMPT_TOKENS = 64
+NEW_TOKENS = 3
+MAX_STEPS = 1000  # a warm-up that has not finished by then gives up (nothing is lost)
+
+
+@dataclass(frozen=True)
+class WarmupReport:
+    seconds: float
+    requests: int
+    finished: dict[str, str]  # request id -> finish reason ("length", or why it stopped)
+
+
+def should_warm_up(setting: bool | None, backend: str) -> bool:
+    """`setting` None: on where kernels compile on first use and were measured to (CUDA)."""
+    return backend == "cuda" if setting is None else setting
+
+
+def warm_up(core: EngineCore, *, prompt_tokens: int = PROMPT_TOKENS) -> WarmupReport:
+    """Run the warm-up requests to completion on `core`, on the engine thread, before its loop."""
+    started = time.perf_counter()
+    shapes = (prompt_tokens, prompt_tokens, prompt_tokens // 2 + 5)
+    requests = [
+        EngineRequest(f"warmup-{i}", tuple((7 * i + j) % 256 for j in range(n)), NEW_TOKENS,
+                      SamplingParams(temperature=0.0))
+        for i, n in enumerate(shapes)
+    ]
+    finished: dict[str, str] = {}
+
+    def sink(outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if out.finish_reason is not None:
+                finished[out.request_id] = out.finish_reason
+
+    publish, core.publish = core.publish, sink
+    try:
+        for r in requests:
+            core.submit(r)
+        for _ in range(MAX_STEPS):
+            core._drain_inbox(timeout=0)
+            if len(finished) == len(requests):
+                break
+            core.step()
+        else:
+            for r in requests:
+                core.abort(r.request_id)
+            core._drain_inbox(timeout=0)
+            core.step()
+    finally:
+        core.publish = publish
+        core.prefix_cache.clear()
+    report = WarmupReport(time.perf_counter() - started, len(requests), finished)
+    core.warmup_s = report.seconds
+    core._publish_stats()  # the idle engine's numbers, warm-up included, before any request
+    log.info("warmed up in %.2fs (%d requests: %s)", report.seconds, report.requests,
+             ", ".join(sorted(set(finished.values()))) or "none finished")
+    return report

@@ -1,0 +1,69 @@
+"""The start-up warm-up (`engine.warmup`): it runs its requests through the engine's own
+path, publishes nothing, leaves nothing behind, and is on where kernels compile on first
+use. Real engines on the tiny float32 model; the server test starts a real server."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine import EngineRequest, SamplingParams
+from engine.warmup import should_warm_up, warm_up
+from tests.conftest import ServerProcess
+
+
+@pytest.mark.parametrize("setting, backend, expected", [
+    (None, "cuda", True),  # measured: a fresh machine's first prefill call took 19.2 s there
+    (None, "cpu", False),
+    (None, "metal", False),
+    (True, "cpu", True),
+    (False, "cuda", False),
+])
+def test_warm_up_is_on_where_kernels_compile_on_first_use(setting, backend, expected) -> None:
+    assert should_warm_up(setting, backend) is expected
+
+
+def _request() -> EngineRequest:
+    rng = random.Random(5)
+    return EngineRequest("user-1", tuple(rng.randrange(0, 256) for _ in range(90)), 24,
+                         SamplingParams(temperature=0.0, logprobs=True))
+
+
+def test_a_warm_up_runs_prefill_and_decode_then_leaves_nothing_behind(make_engine) -> None:
+    h = make_engine(prefill_step_size=64)
+    report = warm_up(h.core)
+
+    assert report.finished == {f"warmup-{i}": "length" for i in range(3)}
+    assert h.core.stats.prefill_chunks >= 3 and h.core.stats.decode_steps >= 3
+    assert h.core.stats.max_batch == 3  # the decode steps ran batched
+    assert h.out.tokens == {} and h.out.finished == {}  # nothing reached the real publisher
+    assert h.core.store.stats().request_bytes == 0  # every warm-up request's KV is released
+    assert h.core.prefix_cache.stats().entries == 0
+    assert not (h.core.waiting or h.core.prefilling or len(h.core.batch))
+    assert h.core.stats.warmup_s == pytest.approx(report.seconds, abs=1e-3) and report.seconds > 0
+
+    # and a request afterwards is served exactly as by an engine that never warmed up
+    cold = make_engine(prefill_step_size=64)
+    for engine in (h, cold):
+        engine.submit(_request())
+        engine.run_until(lambda e=engine: "user-1" in e.out.finished)
+    assert h.out.tokens["user-1"] == cold.out.tokens["user-1"]
+    assert h.out.logprobs["user-1"] == pytest.approx(cold.out.logprobs["user-1"], abs=1e-5)
+
+
+def test_the_server_warms_up_before_it_reports_healthy(tiny_model_path: Path, tmp_path: Path) -> None:
+    proc = ServerProcess(tiny_model_path, args=["--warm-up"])
+    try:
+        proc.start(tmp_path)  # returns once /health answers
+        engine = httpx.get(proc.url + "/v1/memory").json()["engine"]
+        assert engine["warmup_s"] > 0
+        assert engine["running"] == engine["waiting"] == engine["kv_bytes"] == 0
+        assert "warmed up in" in proc.log()
+        r = httpx.post(proc.url + "/v1/completions", json={"model": "mlx-headroom/tiny-chat", "prompt": "hello", "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        proc.stop()
