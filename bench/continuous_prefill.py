@@ -24,6 +24,7 @@ from typing import Any
 
 from engine import EngineConfig, EngineCore, EngineRequest, SamplingParams, load_model
 from engine.runner import Runner
+from engine.warmup import warm_up
 from memory import MemoryGuard
 from memory.probes.allocator import AllocatorProbe
 
@@ -66,6 +67,7 @@ def main() -> None:
     p.add_argument("-p", "--prompt-tokens", type=int, default=1000)
     p.add_argument("-t", "--max-tokens", type=int, default=256)
     p.add_argument("--jitter", type=int, default=0, help="prompt lengths vary by up to this many tokens")
+    p.add_argument("--warm-up", action="store_true", help="run the server's start-up warm-up first")
     a = p.parse_args()
     loaded = load_model(a.model, load_format="dummy", dtype=a.dtype)
     from server.settings import backend_defaults
@@ -74,6 +76,7 @@ def main() -> None:
     core = EngineCore(loaded, MemoryGuard(AllocatorProbe(), enabled=False),
                       EngineConfig(prefill_step_size=defaults.prefill_step_size,
                                    max_concurrency=defaults.max_concurrency), lambda outs: None)
+    warmup_s = warm_up(core).seconds if a.warm_up else 0.0
     timer = PrefillTimer(core.batch)
     rng = random.Random(0)
     submitted: dict[str, float] = {}
@@ -112,7 +115,7 @@ def main() -> None:
     prefill_ms = sum(c["ms"] for c in calls)
     print(json.dumps({
         "backend": loaded.backend, "concurrency": a.concurrency, "requests": a.requests,
-        "jitter": a.jitter, "wall_s": round(wall, 2),
+        "jitter": a.jitter, "warmup_s": round(warmup_s, 2), "wall_s": round(wall, 2),
         "output_tok_s": round(a.requests * a.max_tokens / wall, 1),
         "ttft_ms_p50": round(ttft[len(ttft) // 2] * 1e3, 1),
         "ttft_ms_p95": round(ttft[int(len(ttft) * 0.95)] * 1e3, 1),

@@ -62,8 +62,8 @@ def test_the_server_warms_up_before_it_reports_healthy(tiny_model_path: Path, tm
         assert engine["warmup_s"] > 0
         assert engine["running"] == engine["waiting"] == engine["kv_bytes"] == 0
         assert "warmed up in" in proc.log()
-        r = httpx.post(proc.url + "/v1/completions", json={"model": "mlx-headroom/tiny-chat", "prompt": "hello", "max_tokens": 4},
-                       timeout=60)
+        body = {"model": "mlx-headroom/tiny-chat", "prompt": "hello", "max_tokens": 4}
+        r = httpx.post(proc.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     finally:
         proc.stop()
