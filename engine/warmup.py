@@ -79,6 +79,10 @@ def warm_up(core: EngineCore, *, prompt_tokens: int = PROMPT_TOKENS) -> WarmupRe
     report = WarmupReport(time.perf_counter() - started, len(requests), finished)
     core.warmup_s = report.seconds
     core._publish_stats()  # the idle engine's numbers, warm-up included, before any request
-    log.info("warmed up in %.2fs (%d requests: %s)", report.seconds, report.requests,
-             ", ".join(sorted(set(finished.values()))) or "none finished")
+    outcomes = ", ".join(sorted(set(finished.values()))) or "none finished"
+    if list(finished.values()) == ["length"] * len(requests):
+        log.info("warmed up in %.2fs (%d requests)", report.seconds, report.requests)
+    else:
+        log.warning("warm-up did not complete (%s) in %.2fs: the first requests will pay for "
+                    "first-use kernel compilation", outcomes, report.seconds)
     return report

@@ -67,3 +67,22 @@ def test_the_server_warms_up_before_it_reports_healthy(tiny_model_path: Path, tm
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     finally:
         proc.stop()
+
+
+def test_a_warm_up_that_does_not_fit_is_refused_and_leaves_the_engine_serving(make_engine) -> None:
+    """The warm-up asks admission like any request: under a ceiling with no room beyond
+    what is in use, its requests are refused rather than run, and nothing is held."""
+    import mlx.core as mx
+
+    from memory import MemoryGuard, Tier
+    from memory.probes.allocator import AllocatorProbe
+
+    tight = MemoryGuard(AllocatorProbe(), enabled=True, tier=Tier.CUSTOM,
+                        custom_ceiling_bytes=mx.get_active_memory() + (64 << 10))
+    h = make_engine(guard=tight, prefill_step_size=64)
+    report = warm_up(h.core)
+    assert set(report.finished) == {f"warmup-{i}" for i in range(3)}
+    assert "length" not in report.finished.values()  # none ran to its end
+    assert h.core.stats.generated_tokens == 0
+    assert h.core.store.stats().request_bytes == 0
+    assert not (h.core.waiting or h.core.prefilling or len(h.core.batch))
