@@ -9,7 +9,8 @@ thread's time inside prefill evaluations (docs/throughput.md, session 6). This r
 same pattern on an `EngineCore` in this process, with the server's defaults for the backend
 and the model fused as the loader does, and times every prefill model call: its chunks,
 its padded shape, whether that shape was new to the process (CUDA compiles kernels per
-shape), and its wall time. `--jitter` varies prompt lengths (distinct shapes).
+shape), and its wall time; and every decode step by its batch size, first use or not.
+`--jitter` varies prompt lengths (distinct shapes).
 Prints one JSON object.
 """
 
@@ -54,6 +55,38 @@ class PrefillTimer:
         return calls
 
 
+class DecodeTimer:
+    """Wraps `Runner.step` to time each decode step by its batch size, first use or not.
+
+    With overlap (CUDA) a step queues its own work and reads the previous step's tokens,
+    so a first use's cost can land in the step after it; both are reported."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.steps: list[tuple[int, bool, float]] = []  # (batch, first use of that size, ms)
+        self._seen: set[int] = set()
+        self._runner = runner
+        self._inner = runner.step
+        runner.step = self  # type: ignore[method-assign]
+
+    def __call__(self) -> Any:
+        batch = len(self._runner.seqs)
+        started = time.perf_counter()
+        out = self._inner()
+        self.steps.append((batch, batch not in self._seen, (time.perf_counter() - started) * 1e3))
+        self._seen.add(batch)
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        first = [ms for _, new, ms in self.steps if new]
+        after_first = [self.steps[i + 1][2] for i, (_, new, _) in enumerate(self.steps[:-1]) if new]
+        rest = [ms for i, (_, new, ms) in enumerate(self.steps)
+                if not new and (i == 0 or not self.steps[i - 1][1])]
+        return {"decode_batch_sizes": len(self._seen), "first_use_ms_p50": _median(first),
+                "first_use_ms_max": round(max(first), 1) if first else None,
+                "step_after_first_use_ms_p50": _median(after_first), "other_steps_ms_p50": _median(rest),
+                "first_use_total_s": round(sum(first) / 1e3, 2)}
+
+
 def _median(values: list[float]) -> float | None:
     return round(statistics.median(values), 2) if values else None
 
@@ -78,6 +111,7 @@ def main() -> None:
                                    max_concurrency=defaults.max_concurrency), lambda outs: None)
     warmup_s = warm_up(core).seconds if a.warm_up else 0.0
     timer = PrefillTimer(core.batch)
+    decode = DecodeTimer(core.batch)
     rng = random.Random(0)
     submitted: dict[str, float] = {}
     first_token: dict[str, float] = {}
@@ -124,7 +158,7 @@ def main() -> None:
         "call_ms_new_shape_p50": _median([c["ms"] for c in steady if c["new_shape"]]),
         "call_ms_seen_shape_p50": _median([c["ms"] for c in steady if not c["new_shape"]]),
         "new_shapes": sum(c["new_shape"] for c in calls),
-        "decode_steps": core.stats.decode_steps,
+        "decode_steps": core.stats.decode_steps, **decode.summary(),
         "decode_wait_s": round(core.batch.decode_wait_s, 2), "queue_s": round(core.batch.queue_s, 2),
         "slow_calls": [dict(c, index=i) for i, c in enumerate(calls) if c["ms"] > 300],
     }), flush=True)
