@@ -94,27 +94,37 @@ class FusionReport:
 
 
 def fuse_projections(model: nn.Module) -> FusionReport:
-    """Fuse every eligible projection group of `model` in place, one group at a time
-    (each group's concatenated weight is evaluated before the next is built, so loading
-    holds at most one group's weights twice)."""
+    """Fuse every eligible projection group of `model` in place, one group at a time.
+
+    Each group's concatenation is evaluated, its originals dropped and MLX's buffer cache
+    cleared before the next group: freed buffers would otherwise stay in that cache (its
+    limit is most of the device on CUDA and Metal, and the concatenations' sizes never
+    reuse them), and the device would hold every original beside its fusion, about half
+    the weights again. So loading holds at most one group twice (what load admission
+    counts, `memory.weights.largest_fused_group_bytes`)."""
     fused = skipped = 0
-    for module in list(_modules(model)):
+    for module in _parents(model):
         for names in GROUPS:
-            projections = [module.get(n) if isinstance(module, dict) else None for n in names]
+            projections = [module.get(n) for n in names]
             if any(p is None for p in projections):
                 continue
             if not _fusable(projections):
                 skipped += 1
                 continue
             _fuse(module, names, projections)
+            del projections  # the last references to the originals
+            mx.clear_cache()
             fused += 1
     return FusionReport(fused, skipped)
 
 
-def _modules(model: nn.Module) -> list[nn.Module]:
+def _parents(model: nn.Module) -> list[nn.Module]:
+    """The modules holding a projection group: only those, so that no list here keeps the
+    original projections alive once their group is fused."""
     inner = getattr(model, "_model", None)  # wrappers (tests' fault injectors) forward
     target = inner if isinstance(inner, nn.Module) else model
-    return [m for _, m in target.named_modules()]
+    firsts = {names[0] for names in GROUPS}
+    return [m for _, m in target.named_modules() if isinstance(m, dict) and firsts & m.keys()]
 
 
 def _fusable(projections: list[Any]) -> bool:

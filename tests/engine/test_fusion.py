@@ -98,3 +98,22 @@ def test_a_later_projection_called_out_of_turn_computes_its_own_rows(tiny_model_
     assert mx.allclose(attn.v_proj(y), ref.v_proj(y))  # another input than the lead's
     assert mx.allclose(attn.k_proj(x), ref.k_proj(x))  # the lead's input: its kept rows
     assert mx.allclose(attn.v_proj(x), ref.v_proj(x))
+
+
+def test_fusing_leaves_no_more_than_one_groups_originals_in_mlxs_cache(tiny_model_path: Path) -> None:
+    """MLX keeps freed buffers in its cache, which the device counts (on CUDA up to most of
+    the card): fusing must not leave every original projection there beside its fusion."""
+    model = _tiny(tiny_model_path)
+    group = max(sum(p.nbytes for _, p in tree_flatten(layer.mlp.gate_proj.parameters()))
+                + sum(p.nbytes for _, p in tree_flatten(layer.mlp.up_proj.parameters()))
+                for layer in model.model.layers)
+    freed = sum(v.nbytes for k, v in tree_flatten(model.parameters())
+                if any(f".{n}." in k for n in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")))
+    assert freed > 4 * group  # several groups' worth is freed in all
+    previous = mx.set_cache_limit(1 << 30)  # as roomy as on CUDA or Metal
+    try:
+        mx.clear_cache()
+        fuse_projections(model)
+        assert mx.get_cache_memory() <= group
+    finally:
+        mx.set_cache_limit(previous)
