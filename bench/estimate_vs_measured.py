@@ -4,7 +4,7 @@ Builds small mlx-lm llama models with random weights, prefills a context, then m
 chunk: ``mx.get_peak_memory()`` after ``mx.reset_peak_memory()``, minus the active memory
 before the chunk. Prints one row per (shape, C, T) with estimate / measured.
 
-    .venv/bin/python bench/estimate_vs_measured.py
+    .venv/bin/python bench/estimate_vs_measured.py [--separate]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import mlx.core as mx
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
+from engine.fusion import fuse_projections
 from memory import estimate_prefill, geometry_from_model
 
 
@@ -32,12 +33,15 @@ class Shape:
     batch: int = 1
 
 
-def make_model(shape: Shape) -> Any:
+def make_model(shape: Shape, *, fuse: bool = True) -> Any:
+    """The shape's model, its projections fused as the server's loader fuses them."""
     args = llama.ModelArgs(model_type="llama", rms_norm_eps=1e-5, **shape.config)
     model = llama.Model(args)
     if shape.dtype != mx.float32:
         model.set_dtype(shape.dtype)
     mx.eval(model.parameters())
+    if fuse:
+        fuse_projections(model)
     return model
 
 
@@ -119,6 +123,7 @@ QUICK = {
 
 
 def main() -> None:
+    fuse = "--separate" not in sys.argv[1:]  # --separate: mlx-lm's own projections
     print(
         f"{'shape':<14} {'B':>2} {'C':>5} {'T':>5} {'estimate':>12} {'measured':>12} {'ratio':>6}"
         f"  {'kv':>10} {'attn':>10} {'act':>10}"
@@ -126,7 +131,7 @@ def main() -> None:
     ratios: list[float] = []
     t0 = time.time()
     for shape in SHAPES:
-        model = make_model(shape)
+        model = make_model(shape, fuse=fuse)
         geometry = geometry_from_model(model)
         for chunk, context in QUICK.get(shape.name, CASES):
             measured = measure_chunk(model, chunk=chunk, context=context, batch=shape.batch)

@@ -11,7 +11,11 @@ These are deliberately *upper bounds* that follow how mlx-lm actually computes:
   Q/K/V/output-sized buffers. Otherwise, and always on the CPU, the float32 score matrix
   B × heads × C × (T+C) is materialised, plus the softmax output and the causal mask.
 - **Activations.** Hidden states (embedding, norm, residuals), the q/k/v/o projections
-  (before and after RoPE), and the MLP's gate/up/activation buffers, all for C tokens.
+  (before and after RoPE), and the MLP's gate/up/activation buffers, all for C tokens. The
+  loader fuses q/k/v and gate/up into one matmul each (``engine.fusion``, on by default):
+  the fused q/k/v output lives until v is consumed, beside the rotated q and k, and the
+  fused gate/up output cannot be reused for the activation (it is twice its size), so
+  both are counted once more than the separate projections would need.
 - **Logits.** mlx-lm's prefill evaluates only the cache for all chunks but the last, and the
   final step computes logits for one token per sequence: B × vocab × 4 bytes.
 
@@ -247,7 +251,10 @@ def estimate_prefill(
     hidden = 4 * b * c * g.hidden_size * dt
     projections = 2 * b * c * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim * dt
     projections += b * c * g.hidden_size * dt  # o_proj output
-    mlp = 3 * b * c * g.intermediate_size * dt
+    projections += b * c * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim * dt  # the fused q/k/v output
+    # fused gate/up (2) and the activation (1), plus one: the fused model's measured peaks
+    # (bench/estimate_vs_measured.py) exceeded the estimate by up to 7 % without it
+    mlp = 4 * b * c * g.intermediate_size * dt
     activation = hidden + projections + mlp
 
     logits = b * g.vocab_size * 4
