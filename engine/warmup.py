@@ -9,7 +9,8 @@ engine runs a few small requests through its own path before the server reports 
 two prompts of one length (a batched, causal prefill call), one shorter (a masked or a
 single call), then decode steps at batch sizes 1 to 3. They go through admission like any
 request, so a machine without room for them refuses them rather than running out of
-memory; their outputs go nowhere, and their prompts leave the prefix cache afterwards.
+memory; their outputs go nowhere, their prompts leave the prefix cache afterwards, and
+what they freed is handed back to the device.
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ def warm_up(core: EngineCore, *, prompt_tokens: int = PROMPT_TOKENS) -> WarmupRe
     finally:
         core.publish = publish
         core.prefix_cache.clear()
+        # what it freed (its KV segment: 16 GiB on an H200 by default) would otherwise
+        # stay in MLX's buffer cache, counted by the device, while the server sits idle
+        core.admission.hand_back()
     report = WarmupReport(time.perf_counter() - started, len(requests), finished)
     core.warmup_s = report.seconds
     core._publish_stats()  # the idle engine's numbers, warm-up included, before any request

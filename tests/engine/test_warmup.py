@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import httpx
+import mlx.core as mx
 import pytest
 
 from engine import EngineRequest, SamplingParams
@@ -42,6 +43,7 @@ def test_a_warm_up_runs_prefill_and_decode_then_leaves_nothing_behind(make_engin
     assert h.out.tokens == {} and h.out.finished == {}  # nothing reached the real publisher
     assert h.core.store.stats().request_bytes == 0  # every warm-up request's KV is released
     assert h.core.prefix_cache.stats().entries == 0
+    assert mx.get_cache_memory() == 0  # its freed segment went back, not into MLX's cache
     assert not (h.core.waiting or h.core.prefilling or len(h.core.batch))
     assert h.core.stats.warmup_s == pytest.approx(report.seconds, abs=1e-3) and report.seconds > 0
 
@@ -72,8 +74,6 @@ def test_the_server_warms_up_before_it_reports_healthy(tiny_model_path: Path, tm
 def test_a_warm_up_that_does_not_fit_is_refused_and_leaves_the_engine_serving(make_engine) -> None:
     """The warm-up asks admission like any request: under a ceiling with no room beyond
     what is in use, its requests are refused rather than run, and nothing is held."""
-    import mlx.core as mx
-
     from memory import MemoryGuard, Tier
     from memory.probes.allocator import AllocatorProbe
 
