@@ -17,6 +17,7 @@ import os
 import re
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -93,17 +94,26 @@ def fill_row(store: KVStore, one: list, request_id: str, context: int, reserve: 
     return alloc
 
 
-def graph_census(model, store: KVStore, decode: Runner) -> collections.Counter[str]:
-    """Build one decode step's graph and count its primitives by type. Slice assignment
-    rebinds the pool's arrays in place, so the step's KV writes (into each row's next
-    slot, which the real steps overwrite) are evaluated here rather than left to join
-    the next step's graph."""
-    plan = plan_decode(store, [store.get(s.request_id) for s in decode.seqs])
-    inputs = mx.zeros((len(decode.seqs), 1), mx.uint32)
+def step_census(model, store: KVStore, allocs: list[Any],
+                pick: Callable[[mx.array], mx.array] = lambda logits: mx.argmax(logits, axis=-1),
+                ) -> collections.Counter[str]:
+    """Build one decode step's graph over `allocs` (`pick` turns its logits into tokens)
+    and count its primitives by type. Slice assignment rebinds the pool's arrays in place,
+    so the step's KV writes (into each row's next slot, which the real steps overwrite)
+    are evaluated here rather than left to join the next step's graph."""
+    plan = plan_decode(store, allocs)
+    inputs = mx.zeros((len(allocs), 1), mx.uint32)
     logits = model(inputs, cache=decode_caches(plan, store.geometry.num_layers))[:, -1, :]
-    census = op_census(decode.sampler.sample(logits, [1] * len(decode.seqs)).tokens)
+    census = op_census(pick(logits))
     mx.eval([a for seg in store.segments.values() for a in seg.arrays()])
     return census
+
+
+def graph_census(model, store: KVStore, decode: Runner) -> collections.Counter[str]:
+    """The runner's decode step, its own sampling included."""
+    rows = len(decode.seqs)
+    return step_census(model, store, [store.get(s.request_id) for s in decode.seqs],
+                       lambda logits: decode.sampler.sample(logits, [1] * rows).tokens)
 
 
 def engine_steps(model, batch: int, context: int, steps: int, temperature: float,

@@ -19,24 +19,12 @@ from typing import Any
 import mlx.core as mx
 
 from bench.compiled_step import eager_step, fill, run
-from bench.engine_step import census_difference, op_census
+from bench.engine_step import census_difference, step_census
 from bench.host_probe import python_loop_us
 from bench.step_interleave import paired, paired_parser
 from engine.dummy_model import build_dummy_model, dummy_config
 from engine.fusion import fuse_projections
-from engine.kv import decode_caches, install_attention_hook, plan_decode
-
-
-def step_census(model: Any, store: Any, allocs: list[Any]) -> Any:
-    """One decode step's primitives. The step's KV writes land in each row's next slot
-    (slice assignment rebinds the pool's arrays in place), so they are evaluated here,
-    before the next census: the real steps overwrite those slots."""
-    plan = plan_decode(store, allocs)
-    tokens = mx.zeros((len(allocs), 1), mx.uint32)
-    logits = model(tokens, cache=decode_caches(plan, store.geometry.num_layers))[:, -1, :]
-    census = op_census(mx.argmax(logits, axis=-1))
-    mx.eval([a for seg in store.segments.values() for a in seg.arrays()])
-    return census
+from engine.kv import install_attention_hook
 
 
 def prefill_ms(model: Any, batch: int, tokens: int, repeats: int = 3) -> float:
