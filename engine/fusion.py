@@ -30,7 +30,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+from memory.weights import FUSED_GROUPS
+
+# the same groups load admission counts while they fuse (memory.weights)
+GROUPS = FUSED_GROUPS
 _ROW_ARRAYS = ("weight", "scales", "biases", "bias")  # arrays with one row (or row block) per output
 
 
