@@ -144,6 +144,8 @@ def main() -> None:
         core.step()
     wall = time.perf_counter() - started
     ttft = sorted(first_token[r] - submitted[r] for r in submitted)
+    # The first wave queues behind its own burst; the later ones arrive one by one.
+    later = sorted(first_token[f"q{i}"] - submitted[f"q{i}"] for i in range(a.concurrency, a.requests))
     calls = timer.calls
     steady = calls[len(calls) // 4:]  # past the first burst
     prefill_ms = sum(c["ms"] for c in calls)
@@ -153,6 +155,10 @@ def main() -> None:
         "output_tok_s": round(a.requests * a.max_tokens / wall, 1),
         "ttft_ms_p50": round(ttft[len(ttft) // 2] * 1e3, 1),
         "ttft_ms_p95": round(ttft[int(len(ttft) * 0.95)] * 1e3, 1),
+        "ttft_ms_first_wave_max": round(max(first_token[f"q{i}"] - submitted[f"q{i}"]
+                                            for i in range(a.concurrency)) * 1e3, 1),
+        "ttft_ms_later_p50": round(later[len(later) // 2] * 1e3, 1) if later else None,
+        "ttft_ms_later_p95": round(later[int(len(later) * 0.95)] * 1e3, 1) if later else None,
         "prefill_calls": len(calls), "prefill_s": round(prefill_ms / 1e3, 2),
         "prefill_tok_s": round(sum(c["tokens"] for c in calls) * 1e3 / max(prefill_ms, 1e-9)),
         "call_ms_new_shape_p50": _median([c["ms"] for c in steady if c["new_shape"]]),
@@ -160,7 +166,7 @@ def main() -> None:
         "new_shapes": sum(c["new_shape"] for c in calls),
         "decode_steps": core.stats.decode_steps, **decode.summary(),
         "decode_wait_s": round(core.batch.decode_wait_s, 2), "queue_s": round(core.batch.queue_s, 2),
-        "slow_calls": [dict(c, index=i) for i, c in enumerate(calls) if c["ms"] > 300],
+        "slow_calls": [dict(c, index=i) for i, c in enumerate(calls) if c["ms"] > 300][:20],
     }), flush=True)
 
 
