@@ -1,9 +1,11 @@
 """Decode steps replayed from a traced graph (`mx.compile`) once the batch's shape holds still.
 
-Off by default (`EngineConfig.compile_decode`): in the server on the H200 it cut the engine
-thread's host time per step (2.7 to 1.9 ms at C=1) but the time moved into
-`mx.async_eval`, and throughput stayed within run-to-run noise (docs/throughput.md,
-session 4). Kept as a switch for backends where the host's share is larger.
+On by default on CUDA only (`EngineConfig.compile_decode`, `should_compile_decode`). In
+session 4 the server's A/B on the H200 stayed inside run-to-run noise; once the projections
+were fused (session 6), an interleaved server A/B (eager, compiled, eager, compiled, each a
+fresh server) had compiled ahead in all 8 pairs: C=1 99-115 against 133-149 tok/s, C=32
+1,517-1,777 against 1,776-2,092, steady TPOT at C=32 13.9-14.9 against 9.8-12.0 ms
+(docs/throughput.md, session 7). The CPU and Metal were not measured, so they stay eager.
 
 Why it was tried: on CUDA the decode step is host-bound. The model's Python builds ~1,650 ops per step
 for an 8B model and MLX encodes each, while the device waits about 0.1 ms per step
@@ -38,6 +40,11 @@ from engine.kv.attention import decode_graph_key
 from engine.kv.cache import DecodeGroup, DecodePlan
 
 GraphKey = tuple[Any, ...]
+
+
+def should_compile_decode(setting: bool | None, backend: str) -> bool:
+    """`setting` None: on where it was measured to win (CUDA)."""
+    return backend == "cuda" if setting is None else setting
 
 
 class CompiledDecode:

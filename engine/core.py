@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.admission import Admission, ChunkSample
-from engine.compiled_decode import CompiledDecode
+from engine.compiled_decode import CompiledDecode, should_compile_decode
 from engine.errors import InsufficientMemoryError, MemoryProbeUnavailableError
 from engine.kv import KVStore, install_attention_hook
 from engine.kv.store import default_segment_tokens
@@ -54,9 +54,9 @@ class EngineConfig:
     decode_overlap: bool | None = None  # None: on for CUDA (measured safe), off elsewhere (engine.runner)
     max_step_tokens: int | None = None  # tokens per step, decode rows included (None: prefill_step_size)
     prefill_batch: int = 8  # most prompts' chunks in one prefill model call (1: one per call)
-    # Replay decode steps from traced graphs (engine.compiled_decode). Off: on the H200 it
-    # cut the engine's host time per step but not the step (docs/throughput.md, session 4).
-    compile_decode: bool = False
+    # Replay decode steps from traced graphs (engine.compiled_decode). None: on for CUDA,
+    # where it won every interleaved server A/B (docs/throughput.md, session 7).
+    compile_decode: bool | None = None
     compile_after: int = 4  # steps a batch shape must hold before it is traced
     # Run a few small requests before serving, so that first-use kernel compilation is not
     # paid inside users' requests (engine.warmup). None: on for CUDA, where it was measured.
@@ -160,8 +160,10 @@ class EngineCore:
         overlap = config.decode_overlap
         if overlap is None:
             overlap = loaded.backend == "cuda"
-        compiled = CompiledDecode(self.model, self.store, loaded.geometry.num_heads,
-                                  after=config.compile_after) if config.compile_decode else None
+        compiled = None
+        if should_compile_decode(config.compile_decode, loaded.backend):
+            compiled = CompiledDecode(self.model, self.store, loaded.geometry.num_heads,
+                                      after=config.compile_after)
         self.batch = Runner(self.model, self.store, overlap=overlap, prefill_batch=config.prefill_batch,
                             compiled=compiled)
         self.waiting: deque[Sequence] = deque()

@@ -65,7 +65,9 @@ class Settings(BaseSettings):
     # and the most prompts' chunks one prefill model call takes
     max_step_tokens: int | None = Field(None, ge=16)
     prefill_batch: int = Field(8, ge=1)
-    compile_decode: bool = Field(False, description="replay decode steps from traced graphs (mx.compile)")
+    compile_decode: bool | None = Field(
+        None, description="replay decode steps from traced graphs, mx.compile (None: on CUDA only)"
+    )
     warm_up: bool | None = Field(
         None, description="run a few small requests before serving (None: on CUDA; engine.warmup)"
     )

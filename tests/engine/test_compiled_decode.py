@@ -2,8 +2,8 @@
 logprobs as eager steps, while rows join, leave and cross block boundaries; and the replayed
 step writes the KV pool in place.
 
-Real engine on the tiny float32 model, greedy, with compilation switched on (it is off by
-default). The CPU's attention path (`plain_decode`) depends on the context length through
+Real engine on the tiny float32 model, greedy, with compilation switched on (by default it
+is on for CUDA only). The CPU's attention path (`plain_decode`) depends on the context length through
 its block count, so a graph key that missed it would replay stale graphs.
 """
 
@@ -15,6 +15,7 @@ import mlx.core as mx
 import pytest
 
 from engine import EngineRequest, SamplingParams
+from engine.compiled_decode import should_compile_decode
 from engine.logits_processor import LogitsProcessor
 
 SHAPES = [(13, 60), (300, 45), (45, 70), (128, 30), (7, 52), (90, 64)]
@@ -97,3 +98,18 @@ def test_a_replayed_step_writes_the_pool_in_place(make_engine):
     assert h.core.stats.compiled_steps == before + 10
     assert layer_bytes >= 30 << 20
     assert peak < layer_bytes / 4, (peak, layer_bytes)
+
+
+@pytest.mark.parametrize(("setting", "backend", "expected"), [
+    (None, "cuda", True), (None, "cpu", False), (None, "metal", False),
+    (False, "cuda", False), (True, "cpu", True),
+])
+def test_compiled_decode_is_on_by_default_where_it_was_measured_to_win(setting, backend, expected) -> None:
+    assert should_compile_decode(setting, backend) is expected
+
+
+def test_the_engine_follows_the_setting_on_this_backend(make_engine) -> None:
+    default = make_engine()
+    assert (default.core.batch.compiled is not None) is (default.core.loaded.backend == "cuda")
+    assert make_engine(compile_decode=True).core.batch.compiled is not None
+    assert make_engine(compile_decode=False).core.batch.compiled is None
