@@ -63,15 +63,20 @@ class DecodeTimer:
 
     def __init__(self, runner: Runner) -> None:
         self.steps: list[tuple[int, bool, float]] = []  # (batch, first use of that size, ms)
+        self.shrank: list[bool] = []  # rows left since the previous step (its tokens are gathered)
         self._seen: set[int] = set()
         self._runner = runner
+        self._last_emitting = 0
         self._inner = runner.step
         runner.step = self  # type: ignore[method-assign]
 
     def __call__(self) -> Any:
         batch = len(self._runner.seqs)
+        self.shrank.append(bool(self.steps) and self._runner.pending is not None
+                           and self._runner.pending.tokens.shape[0] < self._last_emitting)
         started = time.perf_counter()
         out = self._inner()
+        self._last_emitting = batch
         self.steps.append((batch, batch not in self._seen, (time.perf_counter() - started) * 1e3))
         self._seen.add(batch)
         return out
@@ -84,7 +89,10 @@ class DecodeTimer:
         return {"decode_batch_sizes": len(self._seen), "first_use_ms_p50": _median(first),
                 "first_use_ms_max": round(max(first), 1) if first else None,
                 "step_after_first_use_ms_p50": _median(after_first), "other_steps_ms_p50": _median(rest),
-                "first_use_total_s": round(sum(first) / 1e3, 2)}
+                "first_use_total_s": round(sum(first) / 1e3, 2),
+                "slowest_steps": [{"index": i, "batch": b, "first_use": new, "after_a_leave": self.shrank[i],
+                                   "ms": round(ms, 1)}
+                                  for i, (b, new, ms) in sorted(enumerate(self.steps), key=lambda x: -x[1][2])[:5]]}
 
 
 def _median(values: list[float]) -> float | None:
