@@ -84,6 +84,7 @@ class DecodeTimer:
     def summary(self) -> dict[str, Any]:
         first = [ms for _, new, ms in self.steps if new]
         after_first = [self.steps[i + 1][2] for i, (_, new, _) in enumerate(self.steps[:-1]) if new]
+        slowest = sorted(enumerate(self.steps), key=lambda step: -step[1][2])[:5]
         rest = [ms for i, (_, new, ms) in enumerate(self.steps)
                 if not new and (i == 0 or not self.steps[i - 1][1])]
         return {"decode_batch_sizes": len(self._seen), "first_use_ms_p50": _median(first),
@@ -91,8 +92,7 @@ class DecodeTimer:
                 "step_after_first_use_ms_p50": _median(after_first), "other_steps_ms_p50": _median(rest),
                 "first_use_total_s": round(sum(first) / 1e3, 2),
                 "slowest_steps": [{"index": i, "batch": b, "first_use": new, "after_a_leave": self.shrank[i],
-                                   "ms": round(ms, 1)}
-                                  for i, (b, new, ms) in sorted(enumerate(self.steps), key=lambda x: -x[1][2])[:5]]}
+                                   "ms": round(ms, 1)} for i, (b, new, ms) in slowest]}
 
 
 def _median(values: list[float]) -> float | None:
