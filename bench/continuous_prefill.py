@@ -172,7 +172,8 @@ def main() -> None:
         "call_ms_new_shape_p50": _median([c["ms"] for c in steady if c["new_shape"]]),
         "call_ms_seen_shape_p50": _median([c["ms"] for c in steady if not c["new_shape"]]),
         "new_shapes": sum(c["new_shape"] for c in calls),
-        "decode_steps": core.stats.decode_steps, **decode.summary(),
+        "decode_steps": core.stats.decode_steps, "compiled_steps": core.stats.compiled_steps,
+        "decode_traces": core.stats.decode_traces, **decode.summary(),
         "decode_wait_s": round(core.batch.decode_wait_s, 2), "queue_s": round(core.batch.queue_s, 2),
         "slow_calls": [dict(c, index=i) for i, c in enumerate(calls) if c["ms"] > 300][:20],
     }), flush=True)
