@@ -7,7 +7,13 @@ same machine took 0.34 s for its first call and had no stall, because the compil
 are cached on disk by then. So where the backend compiles kernels on first use (CUDA), the
 engine runs a few small requests through its own path before the server reports ready:
 two prompts of one length (a batched, causal prefill call), one shorter (a masked or a
-single call), then decode steps at batch sizes 1 to 3. They go through admission like any
+single call), then decode steps at batch sizes 1 to 3. They stop after different numbers
+of tokens, so rows leave while the others' tokens are still in flight: that compacts the
+pending step with a gather, whose kernel MLX compiled at the first real leave, 3.6 s inside
+a prefill call on a fresh H200 (`gather_uint32_int32_1` was the one kernel written to
+MLX's cache after the session-6 warm-up; docs/throughput.md, session 7). One of them asks
+for logprobs, so the sampler's logprob path and its compaction are warmed too. They go
+through admission like any
 request, so a machine without room for them refuses them rather than running out of
 memory; their outputs go nowhere, their prompts leave the prefix cache afterwards, and
 what they freed is handed back to the device.
@@ -28,7 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("mlx_headroom.engine")
 
 PROMPT_TOKENS = 64
-NEW_TOKENS = 3
+NEW_TOKENS = (3, 5, 7)  # staggered: each leave compacts the rows still in flight
 MAX_STEPS = 1000  # a warm-up that has not finished by then gives up (nothing is lost)
 
 
@@ -49,9 +55,9 @@ def warm_up(core: EngineCore, *, prompt_tokens: int = PROMPT_TOKENS) -> WarmupRe
     started = time.perf_counter()
     shapes = (prompt_tokens, prompt_tokens, prompt_tokens // 2 + 5)
     requests = [
-        EngineRequest(f"warmup-{i}", tuple((7 * i + j) % 256 for j in range(n)), NEW_TOKENS,
-                      SamplingParams(temperature=0.0))
-        for i, n in enumerate(shapes)
+        EngineRequest(f"warmup-{i}", tuple((7 * i + j) % 256 for j in range(n)), new,
+                      SamplingParams(temperature=0.0, logprobs=i == 1, top_logprobs=2 if i == 1 else 0))
+        for i, (n, new) in enumerate(zip(shapes, NEW_TOKENS, strict=True))
     ]
     finished: dict[str, str] = {}
 

@@ -38,7 +38,7 @@ def test_a_warm_up_runs_prefill_and_decode_then_leaves_nothing_behind(make_engin
     report = warm_up(h.core)
 
     assert report.finished == {f"warmup-{i}": "length" for i in range(3)}
-    assert h.core.stats.prefill_chunks >= 3 and h.core.stats.decode_steps >= 3
+    assert h.core.stats.prefill_chunks >= 3 and h.core.stats.decode_steps >= 7
     assert h.core.stats.max_batch == 3  # the decode steps ran batched
     assert h.out.tokens == {} and h.out.finished == {}  # nothing reached the real publisher
     assert h.core.store.stats().request_bytes == 0  # every warm-up request's KV is released
@@ -54,6 +54,33 @@ def test_a_warm_up_runs_prefill_and_decode_then_leaves_nothing_behind(make_engin
         engine.run_until(lambda e=engine: "user-1" in e.out.finished)
     assert h.out.tokens["user-1"] == cold.out.tokens["user-1"]
     assert h.out.logprobs["user-1"] == pytest.approx(cold.out.logprobs["user-1"], abs=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [64, 2048])  # 2048: CUDA's default, all three prefill in one step
+def test_a_warm_up_compacts_a_step_in_flight_as_rows_leave(make_engine, chunk: int) -> None:
+    """A row leaving while the others' tokens are in flight gathers the pending step. MLX
+    compiles that gather on first use: on a fresh H200 it was the one kernel the earlier
+    warm-up missed, and it cost 3.6 s inside the first real leave. The logprob arrays are
+    gathered too, when a row asks for them."""
+    h = make_engine(prefill_step_size=chunk)
+    runner = h.core.batch
+    compacted: list[tuple[int, int, bool]] = []  # (rows kept in flight, rows in flight, logprobs)
+    remove = runner.remove
+
+    def spy(leaving):
+        pending = runner.pending
+        if pending is not None and leaving:
+            gone = {id(s) for s in leaving}
+            in_flight = pending.tokens.shape[0]
+            kept = sum(id(s) not in gone for s in runner.seqs[:in_flight])
+            compacted.append((kept, in_flight, pending.logprobs is not None))
+        remove(leaving)
+
+    runner.remove = spy
+    warm_up(h.core)
+    partial = [c for c in compacted if 0 < c[0] < c[1]]
+    assert partial, compacted
+    assert any(with_logprobs for *_, with_logprobs in partial)
 
 
 def test_the_server_warms_up_before_it_reports_healthy(tiny_model_path: Path, tmp_path: Path) -> None:
