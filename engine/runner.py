@@ -28,6 +28,7 @@ import mlx.core as mx
 
 from engine.compiled_decode import CompiledDecode
 from engine.kv import KVStore, decode_caches, plan_decode, prefill_caches
+from engine.kv.cache import DecodeTables
 from engine.kv.prefill import PrefillRow, batch_prefill_caches, group_by_segment, plan_prefill
 from engine.request import TokenLogprob
 from engine.sampling import BatchSampler, SampledStep
@@ -55,6 +56,7 @@ class Runner:
         self.pending: SampledStep | None = None
         self.fresh: list[int] = []  # last prompt token of each row that joined since the last step
         self.sampler = BatchSampler([])
+        self.tables = DecodeTables()  # block tables, kept while the batch's rows stay the same
         self.max_batch_seen = 0
         # Seconds the engine thread sat waiting for the device (reading a step's tokens,
         # evaluating a prefill call): the rest of its busy time is host work.
@@ -127,7 +129,7 @@ class Runner:
         current = self.pending
         n_current = 0 if current is None else current.tokens.shape[0]
         inputs = self._inputs(current)
-        plan = plan_decode(self.store, [self.store.get(s.request_id) for s in self.seqs])
+        plan = plan_decode(self.store, [self.store.get(s.request_id) for s in self.seqs], self.tables)
         logits = None if self.compiled is None else self.compiled.logits(plan, inputs)
         if logits is None:
             caches = decode_caches(plan, self.store.geometry.num_layers)

@@ -126,3 +126,75 @@ def test_default_segment_sizes_per_backend():
     assert default_segment_tokens("cuda", per_token, None) == 16384  # card unknown: as Metal
     assert default_segment_tokens("metal", per_token) == 16384
     assert default_segment_tokens("cpu", per_token, 141 * gib) == CPU_SEGMENT_TOKENS
+
+
+def _plan_arrays(plan) -> list:
+    out = [np.array(plan.offsets), None if plan.order is None else np.array(plan.order)]
+    for g in plan.groups:
+        out += [g.segment.id, None if g.rows is None else np.array(g.rows), np.array(g.write),
+                np.array(g.table), np.array(g.lengths), g.max_length]
+    return out
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(
+        (x is None and y is None) or (x is not None and y is not None and np.array_equal(x, y))
+        for x, y in zip(a, b, strict=True))
+
+
+def test_kept_decode_tables_plan_what_a_fresh_plan_would_as_rows_move_leave_and_return():
+    """The runner keeps its block tables between steps (`DecodeTables`). Each step's plan
+    must still be what building it afresh gives: rows advance, leave, reorder, spread over
+    two segments, and a request released and reserved again under the same id holds other
+    blocks (a cache keyed by request id would address the old ones)."""
+    from engine.kv.cache import DecodeTables
+
+    s = KVStore(GEO, block_size=16, segment_tokens=512)
+    kept = DecodeTables()
+    allocs = [s.reserve(f"r{i}", 100 + 40 * i) for i in range(3)]  # 7, 9, 12 blocks of 32
+    for a in allocs:
+        s.advance(a.request_id, 20)
+
+    def check(rows) -> None:
+        assert _same(_plan_arrays(plan_decode(s, rows, kept)), _plan_arrays(plan_decode(s, rows)))
+
+    check(allocs)
+    for _ in range(20):  # across a block boundary
+        for a in allocs:
+            s.advance(a.request_id, 1)
+        check(allocs)
+    s.release("r0")  # between two steps of the same three ids
+    s.reserve("filler", 16)  # r0's first block goes to another request
+    again = s.reserve("r0", 100)
+    s.advance("r0", 20)
+    assert again.table != allocs[0].table
+    rows = [again, *allocs[1:]]
+    check(rows)
+    check(rows[::-1])
+    check(rows[1:])
+    other = s.reserve("big", 300)  # no room left in the first segment: a second one
+    s.advance("big", 7)
+    assert other.segment is not allocs[1].segment
+    check([*rows, other])
+    check([other, *rows])
+
+
+def test_kept_decode_tables_do_not_keep_a_released_segment_alive():
+    """Once its last request is released, a segment's pool must go back to the device. The
+    first version of `DecodeTables` held the segment (and the reservations) strongly, and
+    the engine's preemption test found the memory still counted."""
+    import gc
+    import weakref
+
+    from engine.kv.cache import DecodeTables
+
+    s = KVStore(GEO, block_size=16, segment_tokens=64)
+    kept = DecodeTables()
+    alloc = s.reserve("only", 40)
+    s.advance("only", 3)
+    plan = plan_decode(s, [alloc], kept)
+    segment = weakref.ref(alloc.segment)
+    s.release("only")
+    del alloc, plan
+    gc.collect()
+    assert not s.segments and segment() is None
