@@ -7,7 +7,10 @@ same machine took 0.34 s for its first call and had no stall, because the compil
 are cached on disk by then. So where the backend compiles kernels on first use (CUDA), the
 engine runs a few small requests through its own path before the server reports ready:
 two prompts of one length (a batched, causal prefill call), one shorter (a masked or a
-single call), then decode steps at batch sizes 1 to 3. They stop after different numbers
+single call), then decode steps at batch sizes 1 to 3. Batch 3 holds long enough for a
+compiled decode step (`engine.compiled_decode`) to be traced and replayed: on a fresh H200
+the first trace in serving (batch 32) took 6.0 s, compiling its fused kernels. That this
+trace covers batch 32's kernels was not measured. They stop after different numbers
 of tokens, so rows leave while the others' tokens are still in flight: that compacts the
 pending step with a gather, whose kernel MLX compiled at the first real leave, 3.6 s inside
 a prefill call on a fresh H200 (`gather_uint32_int32_1` was the one kernel written to
@@ -34,7 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("mlx_headroom.engine")
 
 PROMPT_TOKENS = 64
-NEW_TOKENS = (3, 5, 7)  # staggered: each leave compacts the rows still in flight
+STAGGER = 2  # tokens between one warm-up request's end and the next: leaves compact rows in flight
 MAX_STEPS = 1000  # a warm-up that has not finished by then gives up (nothing is lost)
 
 
@@ -54,10 +57,11 @@ def warm_up(core: EngineCore, *, prompt_tokens: int = PROMPT_TOKENS) -> WarmupRe
     """Run the warm-up requests to completion on `core`, on the engine thread, before its loop."""
     started = time.perf_counter()
     shapes = (prompt_tokens, prompt_tokens, prompt_tokens // 2 + 5)
+    hold = core.config.compile_after + 2  # batch 3's steps: traced at compile_after, then replayed
     requests = [
-        EngineRequest(f"warmup-{i}", tuple((7 * i + j) % 256 for j in range(n)), new,
+        EngineRequest(f"warmup-{i}", tuple((7 * i + j) % 256 for j in range(n)), hold + STAGGER * i,
                       SamplingParams(temperature=0.0, logprobs=i == 1, top_logprobs=2 if i == 1 else 0))
-        for i, (n, new) in enumerate(zip(shapes, NEW_TOKENS, strict=True))
+        for i, n in enumerate(shapes)
     ]
     finished: dict[str, str] = {}
 
