@@ -1,25 +1,29 @@
 """Pay the backend's first-use kernel compilation before the first request, not inside it.
 
-Measured on the H200 (docs/throughput.md, session 6, `bench.continuous_prefill`): in a
-fresh machine's first process the first prefill call took 19.2 s and a later one 2.7 s,
-while every request in flight waited (TTFT p95 23.6 s at C=32); a second process on the
-same machine took 0.34 s for its first call and had no stall, because the compiled kernels
-are cached on disk by then. So where the backend compiles kernels on first use (CUDA), the
-engine runs a few small requests through its own path before the server reports ready:
-two prompts of one length (a batched, causal prefill call), one shorter (a masked or a
-single call), then decode steps at batch sizes 1 to 3. Batch 3 holds long enough for a
-compiled decode step (`engine.compiled_decode`) to be traced and replayed: on a fresh H200
-the first trace in serving (batch 32) took 6.0 s, compiling its fused kernels. That this
-trace covers batch 32's kernels was not measured. They stop after different numbers
-of tokens, so rows leave while the others' tokens are still in flight: that compacts the
-pending step with a gather, whose kernel MLX compiled at the first real leave, 3.6 s inside
-a prefill call on a fresh H200 (`gather_uint32_int32_1` was the one kernel written to
-MLX's cache after the session-6 warm-up; docs/throughput.md, session 7). One of them asks
-for logprobs, so the sampler's logprob path and its compaction are warmed too. They go
-through admission like any
-request, so a machine without room for them refuses them rather than running out of
-memory; their outputs go nowhere, their prompts leave the prefix cache afterwards, and
-what they freed is handed back to the device.
+Measured on the H200 (docs/throughput.md, sessions 6 and 7, `bench.continuous_prefill`):
+in a fresh machine's first process the first prefill call took 19.2 s and a later one
+2.7 s, while every request in flight waited (TTFT p95 23.6 s at C=32); a second process
+on the same machine took 0.34 s for its first call, because the compiled kernels are
+cached on disk by then, yet its first decode step still took 4.5 s, a per-process cost.
+So where the backend compiles kernels on first use (CUDA), the engine runs three small
+requests through its own path before the server reports ready:
+
+- two prompts of one length (a batched, causal prefill call) and one shorter (a masked or
+  a single call);
+- decode at batch 3, held for `compile_after` + 2 steps, so that a compiled decode step
+  (`engine.compiled_decode`) is traced and replayed. On a fresh H200 the first trace in
+  serving (batch 32) took 6.0 s, compiling its fused kernels; whether a batch-3 trace
+  covers batch 32's was not measured;
+- then batch 2 and 1: the requests stop 2 tokens apart, so rows leave while the others'
+  tokens are in flight, and the pending step is compacted with a gather. MLX compiled that
+  gather (`gather_uint32_int32_1`) at the first real leave, 3.6 s inside a prefill call on
+  a fresh H200: the one kernel written to MLX's cache after session 6's warm-up;
+- one request asks for logprobs, so the sampler's logprob path and its compaction are
+  warmed too.
+
+They go through admission like any request, so a machine without room for them refuses
+them rather than running out of memory; their outputs go nowhere, their prompts leave the
+prefix cache afterwards, and what they freed is handed back to the device.
 """
 
 from __future__ import annotations
