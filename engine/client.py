@@ -18,9 +18,9 @@ import mlx.core as mx
 
 from engine.core import EngineConfig, EngineCore, EngineStats
 from engine.errors import EngineDeadError, QueueFullError
-from engine.loader import LoadedModel
+from engine.loader import LoadedModel, on_cuda_by_default
 from engine.request import EngineRequest, RequestOutput
-from engine.warmup import should_warm_up, warm_up
+from engine.warmup import warm_up
 from memory import MemoryGuard
 
 log = logging.getLogger("mlx_headroom.engine")
@@ -107,7 +107,8 @@ class EngineClient:
             try:
                 self.loaded = self._load()
                 self.core = self._make_core(self.loaded, self.guard, self.config, self._publish)
-                if should_warm_up(self.config.warm_up, self.loaded.backend) and self.core.lockstep is None:
+                warm = on_cuda_by_default(self.config.warm_up, self.loaded.backend)
+                if warm and self.core.lockstep is None:
                     warm_up(self.core)
             except BaseException as exc:
                 log.exception("the engine failed to start")

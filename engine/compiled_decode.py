@@ -1,6 +1,6 @@
 """Decode steps replayed from a traced graph (`mx.compile`) once the batch's shape holds still.
 
-On by default on CUDA only (`EngineConfig.compile_decode`, `should_compile_decode`). In
+On by default on CUDA only (`EngineConfig.compile_decode`, `engine.loader.on_cuda_by_default`). In
 session 4 the server's A/B on the H200 stayed inside run-to-run noise; once the projections
 were fused (session 6), an interleaved server A/B (eager, compiled, eager, compiled, each a
 fresh server) had compiled ahead in all 8 pairs: C=1 99-115 against 133-149 tok/s, C=32
@@ -40,11 +40,6 @@ from engine.kv.attention import decode_graph_key
 from engine.kv.cache import DecodeGroup, DecodePlan
 
 GraphKey = tuple[Any, ...]
-
-
-def should_compile_decode(setting: bool | None, backend: str) -> bool:
-    """`setting` None: on where it was measured to win (CUDA)."""
-    return backend == "cuda" if setting is None else setting
 
 
 class CompiledDecode:

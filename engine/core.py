@@ -18,11 +18,11 @@ from typing import Any
 import mlx.core as mx
 
 from engine.admission import Admission, ChunkSample
-from engine.compiled_decode import CompiledDecode, should_compile_decode
+from engine.compiled_decode import CompiledDecode
 from engine.errors import InsufficientMemoryError, MemoryProbeUnavailableError
 from engine.kv import KVStore, install_attention_hook
 from engine.kv.store import default_segment_tokens
-from engine.loader import LoadedModel, device_memory_bytes
+from engine.loader import LoadedModel, device_memory_bytes, on_cuda_by_default
 from engine.prefix_cache import PrefixCache, PrefixCacheStats
 from engine.request import EngineRequest, RequestOutput
 from engine.runner import Runner
@@ -157,11 +157,9 @@ class EngineCore:
             self.store, max_bytes=config.prefix_cache_bytes, max_entries=config.prefix_cache_entries,
             min_hit_tokens=self.store.block_size,
         )
-        overlap = config.decode_overlap
-        if overlap is None:
-            overlap = loaded.backend == "cuda"
+        overlap = on_cuda_by_default(config.decode_overlap, loaded.backend)
         compiled = None
-        if should_compile_decode(config.compile_decode, loaded.backend):
+        if on_cuda_by_default(config.compile_decode, loaded.backend):
             compiled = CompiledDecode(self.model, self.store, loaded.geometry.num_heads,
                                       after=config.compile_after)
         self.batch = Runner(self.model, self.store, overlap=overlap, prefill_batch=config.prefill_batch,

@@ -31,6 +31,12 @@ def backend_name() -> str:
     return "cpu"
 
 
+def on_cuda_by_default(setting: bool | None, backend: str) -> bool:
+    """A switch left unset (None) is on where it was measured to pay, CUDA, and off on the
+    backends where it was not (decode overlap, compiled decode, the start-up warm-up)."""
+    return backend == "cuda" if setting is None else setting
+
+
 def device_memory_bytes() -> int | None:
     """The CUDA card's total memory (None elsewhere): it sizes the KV store's segments."""
     if backend_name() != "cuda":

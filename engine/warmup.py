@@ -52,11 +52,6 @@ class WarmupReport:
     finished: dict[str, str]  # request id -> finish reason ("length", or why it stopped)
 
 
-def should_warm_up(setting: bool | None, backend: str) -> bool:
-    """`setting` None: on where kernels compile on first use and were measured to (CUDA)."""
-    return backend == "cuda" if setting is None else setting
-
-
 def warm_up(core: EngineCore, *, prompt_tokens: int = PROMPT_TOKENS) -> WarmupReport:
     """Run the warm-up requests to completion on `core`, on the engine thread, before its loop."""
     started = time.perf_counter()

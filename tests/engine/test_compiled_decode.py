@@ -15,7 +15,6 @@ import mlx.core as mx
 import pytest
 
 from engine import EngineRequest, SamplingParams
-from engine.compiled_decode import should_compile_decode
 from engine.logits_processor import LogitsProcessor
 
 SHAPES = [(13, 60), (300, 45), (45, 70), (128, 30), (7, 52), (90, 64)]
@@ -100,15 +99,7 @@ def test_a_replayed_step_writes_the_pool_in_place(make_engine):
     assert peak < layer_bytes / 4, (peak, layer_bytes)
 
 
-@pytest.mark.parametrize(("setting", "backend", "expected"), [
-    (None, "cuda", True), (None, "cpu", False), (None, "metal", False),
-    (False, "cuda", False), (True, "cpu", True),
-])
-def test_compiled_decode_is_on_by_default_where_it_was_measured_to_win(setting, backend, expected) -> None:
-    assert should_compile_decode(setting, backend) is expected
-
-
-def test_the_engine_follows_the_setting_on_this_backend(make_engine) -> None:
+def test_compiled_decode_is_on_by_default_on_cuda_only_and_follows_the_setting(make_engine) -> None:
     default = make_engine()
     assert (default.core.batch.compiled is not None) is (default.core.loaded.backend == "cuda")
     assert make_engine(compile_decode=True).core.batch.compiled is not None

@@ -12,7 +12,8 @@ import mlx.core as mx
 import pytest
 
 from engine import EngineRequest, SamplingParams
-from engine.warmup import should_warm_up, warm_up
+from engine.loader import on_cuda_by_default
+from engine.warmup import warm_up
 from tests.conftest import ServerProcess
 
 
@@ -24,7 +25,8 @@ from tests.conftest import ServerProcess
     (False, "cuda", False),
 ])
 def test_warm_up_is_on_where_kernels_compile_on_first_use(setting, backend, expected) -> None:
-    assert should_warm_up(setting, backend) is expected
+    """The switch the warm-up, compiled decode and decode overlap share."""
+    assert on_cuda_by_default(setting, backend) is expected
 
 
 def _request() -> EngineRequest:
