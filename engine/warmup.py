@@ -10,14 +10,19 @@ requests through its own path before the server reports ready:
 
 - two prompts of one length (a batched, causal prefill call) and one shorter (a masked or
   a single call);
-- decode at batch 3, held for `compile_after` + 2 steps, so that a compiled decode step
-  (`engine.compiled_decode`) is traced and replayed. On a fresh H200 the first trace in
-  serving (batch 32) took 6.0 s, compiling its fused kernels; whether a batch-3 trace
-  covers batch 32's was not measured;
-- then batch 2 and 1: the requests stop 2 tokens apart, so rows leave while the others'
-  tokens are in flight, and the pending step is compacted with a gather. MLX compiled that
-  gather (`gather_uint32_int32_1`) at the first real leave, 3.6 s inside a prefill call on
-  a fresh H200: the one kernel written to MLX's cache after session 6's warm-up;
+- decode at batch 3, then 2, then 1. Batch 3 and batch 1 each hold for twice
+  `compile_after` + 2 steps, so that a compiled decode step (`engine.compiled_decode`) is
+  traced and replayed at each, even where a row crosses a block boundary (which changes
+  the traced graph's key) in the middle. On a fresh H200 the first trace in serving
+  (batch 32) took 6.0 s, compiling its fused kernels. MLX names a fused kernel by its
+  ops, dtypes and which inputs are 0-d (`Compiled`'s `kernel_lib_`), not by shapes, so
+  batch 3's trace should build batch 32's kernels; batch 1 is traced too, since a size-1
+  batch dimension may let MLX simplify broadcasts into another graph. Neither was
+  measured on the H200;
+- the requests leave at different steps, so rows leave while the others' tokens are in
+  flight, and the pending step is compacted with a gather. MLX compiled that gather
+  (`gather_uint32_int32_1`) at the first real leave, 3.6 s inside a prefill call on a
+  fresh H200: the one kernel written to MLX's cache after session 6's warm-up;
 - one request asks for logprobs, so the sampler's logprob path and its compaction are
   warmed too.
 
@@ -41,7 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("mlx_headroom.engine")
 
 PROMPT_TOKENS = 64
-STAGGER = 2  # tokens between one warm-up request's end and the next: leaves compact rows in flight
+STAGGER = 2  # steps at batch 2, between the first leave and the second
 MAX_STEPS = 1000  # a warm-up that has not finished by then gives up (nothing is lost)
 
 
@@ -56,11 +61,14 @@ def warm_up(core: EngineCore, *, prompt_tokens: int = PROMPT_TOKENS) -> WarmupRe
     """Run the warm-up requests to completion on `core`, on the engine thread, before its loop."""
     started = time.perf_counter()
     shapes = (prompt_tokens, prompt_tokens, prompt_tokens // 2 + 5)
-    hold = core.config.compile_after + 2  # batch 3's steps: traced at compile_after, then replayed
+    # Steps at batch 3, and at 1: a streak of compile_after + 2 (traced, then replayed) even
+    # if one block boundary, 16 tokens apart by default, falls inside.
+    hold = 2 * (core.config.compile_after + 2)
+    new_tokens = (hold, hold + STAGGER, hold + STAGGER + hold)
     requests = [
-        EngineRequest(f"warmup-{i}", tuple((7 * i + j) % 256 for j in range(n)), hold + STAGGER * i,
+        EngineRequest(f"warmup-{i}", tuple((7 * i + j) % 256 for j in range(n)), new,
                       SamplingParams(temperature=0.0, logprobs=i == 1, top_logprobs=2 if i == 1 else 0))
-        for i, n in enumerate(shapes)
+        for i, (n, new) in enumerate(zip(shapes, new_tokens, strict=True))
     ]
     finished: dict[str, str] = {}
 
