@@ -99,6 +99,11 @@ def _median(values: list[float]) -> float | None:
     return round(statistics.median(values), 2) if values else None
 
 
+def _rank_ms(ordered: list[float], q: float) -> float | None:
+    """The q-quantile of sorted seconds, in ms, taken at rank int(n * q) (no interpolation)."""
+    return round(ordered[int(len(ordered) * q)] * 1e3, 1) if ordered else None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny")
@@ -161,12 +166,10 @@ def main() -> None:
         "backend": loaded.backend, "concurrency": a.concurrency, "requests": a.requests,
         "jitter": a.jitter, "warmup_s": round(warmup_s, 2), "wall_s": round(wall, 2),
         "output_tok_s": round(a.requests * a.max_tokens / wall, 1),
-        "ttft_ms_p50": round(ttft[len(ttft) // 2] * 1e3, 1),
-        "ttft_ms_p95": round(ttft[int(len(ttft) * 0.95)] * 1e3, 1),
+        "ttft_ms_p50": _rank_ms(ttft, 0.5), "ttft_ms_p95": _rank_ms(ttft, 0.95),
         "ttft_ms_first_wave_max": round(max(first_token[f"q{i}"] - submitted[f"q{i}"]
                                             for i in range(a.concurrency)) * 1e3, 1),
-        "ttft_ms_later_p50": round(later[len(later) // 2] * 1e3, 1) if later else None,
-        "ttft_ms_later_p95": round(later[int(len(later) * 0.95)] * 1e3, 1) if later else None,
+        "ttft_ms_later_p50": _rank_ms(later, 0.5), "ttft_ms_later_p95": _rank_ms(later, 0.95),
         "prefill_calls": len(calls), "prefill_s": round(prefill_ms / 1e3, 2),
         "prefill_tok_s": round(sum(c["tokens"] for c in calls) * 1e3 / max(prefill_ms, 1e-9)),
         "call_ms_new_shape_p50": _median([c["ms"] for c in steady if c["new_shape"]]),

@@ -30,10 +30,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+# the same groups load admission counts while they fuse
 from memory.weights import FUSED_GROUPS
 
-# the same groups load admission counts while they fuse (memory.weights)
-GROUPS = FUSED_GROUPS
 _ROW_ARRAYS = ("weight", "scales", "biases", "bias")  # arrays with one row (or row block) per output
 
 
@@ -107,7 +106,7 @@ def fuse_projections(model: nn.Module) -> FusionReport:
     counts, `memory.weights.largest_fused_group_bytes`)."""
     fused = skipped = 0
     for module in _parents(model):
-        for names in GROUPS:
+        for names in FUSED_GROUPS:
             projections = [module.get(n) for n in names]
             if any(p is None for p in projections):
                 continue
@@ -126,7 +125,7 @@ def _parents(model: nn.Module) -> list[nn.Module]:
     original projections alive once their group is fused."""
     inner = getattr(model, "_model", None)  # wrappers (tests' fault injectors) forward
     target = inner if isinstance(inner, nn.Module) else model
-    firsts = {names[0] for names in GROUPS}
+    firsts = {names[0] for names in FUSED_GROUPS}
     return [m for _, m in target.named_modules() if isinstance(m, dict) and firsts & m.keys()]
 
 
