@@ -23,9 +23,13 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
+from bench.gpu_busy import GpuBusy
 from bench.host_probe import host_probe
+from engine.compiled_decode import CompiledDecode
 from engine.dummy_model import build_dummy_model, dummy_config
+from engine.fusion import fuse_projections
 from engine.kv import KVGeometry, KVStore, decode_caches, install_attention_hook, plan_decode
+from engine.loader import backend_name, on_cuda_by_default
 from engine.request import EngineRequest, SamplingParams
 from engine.runner import Runner
 from engine.sequence import Sequence
@@ -41,8 +45,10 @@ def prefilled_caches(model, context: int) -> list:
     return caches
 
 
-def bare_steps(model, batch: int, context: int, steps: int, census: dict | None = None) -> float:
-    """mlx-lm's own batched step; `census` receives its graph's primitives by type."""
+def bare_steps(model, batch: int, context: int, steps: int, census: dict | None = None,
+               busy: dict | None = None) -> float:
+    """mlx-lm's own batched step; `census` receives its graph's primitives by type, `busy`
+    the GPU's utilisation over the timed steps (`bench.gpu_busy`)."""
     one = prefilled_caches(model, context)
     cache = [BatchKVCache.merge([c] * batch) for c in one]
     y = mx.zeros((batch,), mx.uint32)
@@ -52,12 +58,15 @@ def bare_steps(model, batch: int, context: int, steps: int, census: dict | None 
             census.update(op_census(y))
         mx.eval(y)
     start = time.perf_counter()
-    for _ in range(steps):
-        nxt = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)
-        mx.async_eval(nxt)
-        y.tolist()
-        y = nxt
-    mx.eval(y)
+    with GpuBusy() as gpu:
+        for _ in range(steps):
+            nxt = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)
+            mx.async_eval(nxt)
+            y.tolist()
+            y = nxt
+        mx.eval(y)
+    if busy is not None:
+        busy["bare_gpu_busy_pct"] = gpu.percent
     return (time.perf_counter() - start) / steps
 
 
@@ -96,14 +105,17 @@ def fill_row(store: KVStore, one: list, request_id: str, context: int, reserve: 
 
 def step_census(model, store: KVStore, allocs: list[Any],
                 pick: Callable[[mx.array], mx.array] = lambda logits: mx.argmax(logits, axis=-1),
-                ) -> collections.Counter[str]:
+                compiled: CompiledDecode | None = None) -> collections.Counter[str]:
     """Build one decode step's graph over `allocs` (`pick` turns its logits into tokens)
-    and count its primitives by type. Slice assignment rebinds the pool's arrays in place,
-    so the step's KV writes (into each row's next slot, which the real steps overwrite)
-    are evaluated here rather than left to join the next step's graph."""
+    and count its primitives by type; with `compiled`, the replayed graph's (its fused
+    kernels count one each). Slice assignment rebinds the pool's arrays in place, so the
+    step's KV writes (into each row's next slot, which the real steps overwrite) are
+    evaluated here rather than left to join the next step's graph."""
     plan = plan_decode(store, allocs)
-    inputs = mx.zeros((len(allocs), 1), mx.uint32)
-    logits = model(inputs, cache=decode_caches(plan, store.geometry.num_layers))[:, -1, :]
+    inputs = mx.zeros((len(allocs),), mx.uint32)
+    logits = None if compiled is None else compiled.logits(plan, inputs)
+    if logits is None:
+        logits = model(inputs[:, None], cache=decode_caches(plan, store.geometry.num_layers))[:, -1, :]
     census = op_census(pick(logits))
     mx.eval([a for seg in store.segments.values() for a in seg.arrays()])
     return census
@@ -113,13 +125,14 @@ def graph_census(model, store: KVStore, decode: Runner) -> collections.Counter[s
     """The runner's decode step, its own sampling included."""
     rows = len(decode.seqs)
     return step_census(model, store, [store.get(s.request_id) for s in decode.seqs],
-                       lambda logits: decode.sampler.sample(logits, [1] * rows).tokens)
+                       lambda logits: decode.sampler.sample(logits, [1] * rows).tokens, decode.compiled)
 
 
 def engine_steps(model, batch: int, context: int, steps: int, temperature: float,
-                 segments: int = 1, split: dict | None = None) -> float:
+                 segments: int = 1, split: dict | None = None, compile_decode: bool = False) -> float:
     """The runner's decode step; rows spread over `segments` KV segments (the server adds
-    one per ~segment of reserved tokens). `split` receives the step's time split."""
+    one per ~segment of reserved tokens). `split` receives the step's time split.
+    `compile_decode` replays the step from a traced graph, as the server does on CUDA."""
     one = prefilled_caches(model, context - 1)
     g = geometry_from_model(model)
     per_row = context + steps + 32
@@ -127,13 +140,16 @@ def engine_steps(model, batch: int, context: int, steps: int, temperature: float
     store = KVStore(KVGeometry(g.num_layers, g.num_kv_heads, g.head_dim, one[0].keys.dtype),
                     segment_tokens=rows_per_segment * (per_row + 16))
     install_attention_hook(model)
-    decode = Runner(model, store, overlap=mx.cuda.is_available())
+    compiled = None
+    if compile_decode:
+        compiled = CompiledDecode(model, store, model.args.num_attention_heads)
+    decode = Runner(model, store, overlap=mx.cuda.is_available(), compiled=compiled)
     params = SamplingParams(temperature=temperature)
     for i in range(batch):
         seq = Sequence(EngineRequest(f"r{i}", (1,) * context, steps + 8, params))
         fill_row(store, one, seq.request_id, context, context + steps + 8)
         decode.join(seq)
-    for _ in range(3):
+    for _ in range(3 if compiled is None else compiled.after + 2):  # traced and replayed once
         decode.step()
     if split is not None:
         split["segments"] = len(store.segments)
@@ -141,20 +157,25 @@ def engine_steps(model, batch: int, context: int, steps: int, temperature: float
         split["ops"] = sum(census.values())
         split["census"] = census
     wait0, queue0 = decode.decode_wait_s, decode.queue_s
+    replays0 = 0 if compiled is None else compiled.replays
     start = time.perf_counter()
-    for _ in range(steps):
-        for item in decode.step():
-            item.seq.generated += 1
+    with GpuBusy() as gpu:
+        for _ in range(steps):
+            for item in decode.step():
+                item.seq.generated += 1
     per_step = (time.perf_counter() - start) / steps
     if split is not None:
         wait = (decode.decode_wait_s - wait0) / steps
         queue = (decode.queue_s - queue0) / steps
         split.update(ms=round(per_step * 1e3, 2), wait_ms=round(wait * 1e3, 2),
-                     queue_ms=round(queue * 1e3, 2), host_ms=round((per_step - wait - queue) * 1e3, 2))
+                     queue_ms=round(queue * 1e3, 2), host_ms=round((per_step - wait - queue) * 1e3, 2),
+                     gpu_busy_pct=gpu.percent,
+                     replayed=None if compiled is None else compiled.replays - replays0)
     return per_step
 
 
-SUMMED = ("bare_ms", "ms", "wait_ms", "queue_ms", "host_ms", "ops", "bare_ops")
+SUMMED = ("bare_ms", "ms", "wait_ms", "queue_ms", "host_ms", "ops", "bare_ops", "gpu_busy_pct",
+          "bare_gpu_busy_pct")
 
 
 def main() -> None:
@@ -167,6 +188,10 @@ def main() -> None:
     p.add_argument("--segments", default="1", help="comma list: KV segments the rows spread over")
     p.add_argument("--merge", choices=["kernel", "ops"], default="kernel",
                    help="CUDA: merge the paged kernel's partitions in one kernel or in MLX ops")
+    p.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=True,
+                   help="fuse q/k/v and gate/up as the server does (engine.fusion); bare stays mlx-lm")
+    p.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay the step from a traced graph (default: on CUDA only, as the server)")
     p.add_argument("--split-only", action="store_true",
                    help="only the greedy engine step per segment count, with its time split")
     args = p.parse_args()
@@ -174,27 +199,37 @@ def main() -> None:
         from engine.kv import cuda_decode
 
         cuda_decode.merge_partitions = cuda_decode.merge_partitions_reference
-    model = build_dummy_model(dummy_config(args.model, args.dtype))
-    mx.eval(model.parameters())
+    bare_model = build_dummy_model(dummy_config(args.model, args.dtype))
+    mx.eval(bare_model.parameters())
+    model = bare_model
+    if args.fuse:
+        model = build_dummy_model(dummy_config(args.model, args.dtype))
+        mx.eval(model.parameters())
+        fuse_projections(model)
+    compile_decode = on_cuda_by_default(args.compile_decode, backend_name())
     out = []
     combined: dict[str, Any] = {"probe_start": host_probe()}
     for b in (int(x) for x in args.batch.split(",")):
         if args.split_only:
             bare_census: collections.Counter[str] = collections.Counter()
-            bare = bare_steps(model, b, args.context, args.steps, census=bare_census)
+            bare_busy: dict = {}
+            bare = bare_steps(bare_model, b, args.context, args.steps, census=bare_census, busy=bare_busy)
             for n in (int(x) for x in args.segments.split(",")):
                 split: dict = {}
-                engine_steps(model, b, args.context, args.steps, 0.0, segments=n, split=split)
+                engine_steps(model, b, args.context, args.steps, 0.0, segments=n, split=split,
+                             compile_decode=compile_decode)
                 census = split.pop("census")
-                line = {"batch": b, "context": args.context, "merge": args.merge,
-                        "bare_ms": round(bare * 1e3, 2), "bare_ops": sum(bare_census.values()), **split,
+                line = {"batch": b, "context": args.context, "merge": args.merge, "fused": args.fuse,
+                        "compiled": compile_decode,
+                        "bare_ms": round(bare * 1e3, 2), "bare_ops": sum(bare_census.values()), **bare_busy,
+                        **split,
                         "ops_over_bare": census_difference(census, bare_census)}
                 print(json.dumps(line), flush=True)
                 suffix = f"_b{b}" + (f"_s{n}" if n != 1 else "")
                 combined.update({f"{k}{suffix}": v for k, v in line.items() if k in SUMMED})
                 combined[f"ops_over_bare{suffix}"] = line["ops_over_bare"]
             continue
-        bare = bare_steps(model, b, args.context, args.steps)
+        bare = bare_steps(bare_model, b, args.context, args.steps)
         greedy = engine_steps(model, b, args.context, args.steps, 0.0)
         sampled = engine_steps(model, b, args.context, args.steps, 0.8)
         out.append({"batch": b, "context": args.context, "bare_ms": round(bare * 1e3, 2),
