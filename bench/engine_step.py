@@ -29,7 +29,8 @@ from engine.compiled_decode import CompiledDecode
 from engine.dummy_model import build_dummy_model, dummy_config
 from engine.fusion import fuse_projections
 from engine.kv import KVGeometry, KVStore, decode_caches, install_attention_hook, plan_decode
-from engine.loader import backend_name, on_cuda_by_default
+from engine.kv.store import default_segment_tokens
+from engine.loader import backend_name, device_memory_bytes, on_cuda_by_default
 from engine.request import EngineRequest, SamplingParams
 from engine.runner import Runner
 from engine.sequence import Sequence
@@ -129,16 +130,24 @@ def graph_census(model, store: KVStore, decode: Runner) -> collections.Counter[s
 
 
 def engine_steps(model, batch: int, context: int, steps: int, temperature: float,
-                 segments: int = 1, split: dict | None = None, compile_decode: bool = False) -> float:
+                 segments: int = 1, split: dict | None = None, compile_decode: bool = False,
+                 server_segment: bool = False) -> float:
     """The runner's decode step; rows spread over `segments` KV segments (the server adds
     one per ~segment of reserved tokens). `split` receives the step's time split.
-    `compile_decode` replays the step from a traced graph, as the server does on CUDA."""
+    `compile_decode` replays the step from a traced graph, as the server does on CUDA;
+    `server_segment` sizes the one segment as the server would (16 GiB on an H200) rather
+    than to the rows, so that a step which copied its pool instead of writing in place
+    would show."""
     one = prefilled_caches(model, context - 1)
     g = geometry_from_model(model)
     per_row = context + steps + 32
     rows_per_segment = -(-batch // segments)
-    store = KVStore(KVGeometry(g.num_layers, g.num_kv_heads, g.head_dim, one[0].keys.dtype),
-                    segment_tokens=rows_per_segment * (per_row + 16))
+    geometry = KVGeometry(g.num_layers, g.num_kv_heads, g.head_dim, one[0].keys.dtype)
+    segment_tokens = rows_per_segment * (per_row + 16)
+    if server_segment:
+        segment_tokens = max(segment_tokens, default_segment_tokens(
+            backend_name(), geometry.bytes_per_token, device_memory_bytes()))
+    store = KVStore(geometry, segment_tokens=segment_tokens)
     install_attention_hook(model)
     compiled = None
     if compile_decode:
@@ -170,7 +179,8 @@ def engine_steps(model, batch: int, context: int, steps: int, temperature: float
         split.update(ms=round(per_step * 1e3, 2), wait_ms=round(wait * 1e3, 2),
                      queue_ms=round(queue * 1e3, 2), host_ms=round((per_step - wait - queue) * 1e3, 2),
                      gpu_busy_pct=gpu.percent,
-                     replayed=None if compiled is None else compiled.replays - replays0)
+                     replayed=None if compiled is None else compiled.replays - replays0,
+                     segment_gib=round(sum(seg.nbytes for seg in store.segments.values()) / 2**30, 2))
     return per_step
 
 
@@ -192,6 +202,8 @@ def main() -> None:
                    help="fuse q/k/v and gate/up as the server does (engine.fusion); bare stays mlx-lm")
     p.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="replay the step from a traced graph (default: on CUDA only, as the server)")
+    p.add_argument("--server-segment", action="store_true",
+                   help="size the KV segment as the server does (engine.kv.store), not to the rows")
     p.add_argument("--split-only", action="store_true",
                    help="only the greedy engine step per segment count, with its time split")
     args = p.parse_args()
@@ -217,7 +229,7 @@ def main() -> None:
             for n in (int(x) for x in args.segments.split(",")):
                 split: dict = {}
                 engine_steps(model, b, args.context, args.steps, 0.0, segments=n, split=split,
-                             compile_decode=compile_decode)
+                             compile_decode=compile_decode, server_segment=args.server_segment)
                 census = split.pop("census")
                 line = {"batch": b, "context": args.context, "merge": args.merge, "fused": args.fuse,
                         "compiled": compile_decode,
