@@ -23,6 +23,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
+from bench.cuda_profiler import profiled
 from bench.gpu_busy import GpuBusy
 from bench.host_probe import host_probe
 from engine.compiled_decode import CompiledDecode
@@ -131,13 +132,13 @@ def graph_census(model, store: KVStore, decode: Runner) -> collections.Counter[s
 
 def engine_steps(model, batch: int, context: int, steps: int, temperature: float,
                  segments: int = 1, split: dict | None = None, compile_decode: bool = False,
-                 server_segment: bool = False) -> float:
+                 server_segment: bool = False, profile: bool = False) -> float:
     """The runner's decode step; rows spread over `segments` KV segments (the server adds
     one per ~segment of reserved tokens). `split` receives the step's time split.
     `compile_decode` replays the step from a traced graph, as the server does on CUDA;
     `server_segment` sizes the one segment as the server would (16 GiB on an H200) rather
     than to the rows, so that a step which copied its pool instead of writing in place
-    would show."""
+    would show. `profile` marks the timed steps for a CUDA profiler (`bench.cuda_profiler`)."""
     one = prefilled_caches(model, context - 1)
     g = geometry_from_model(model)
     per_row = context + steps + 32
@@ -168,10 +169,12 @@ def engine_steps(model, batch: int, context: int, steps: int, temperature: float
     wait0, queue0 = decode.decode_wait_s, decode.queue_s
     replays0 = 0 if compiled is None else compiled.replays
     start = time.perf_counter()
-    with GpuBusy() as gpu:
+    with GpuBusy() as gpu, profiled(profile):
         for _ in range(steps):
             for item in decode.step():
                 item.seq.generated += 1
+        if profile:
+            decode.settle()
     per_step = (time.perf_counter() - start) / steps
     if split is not None:
         wait = (decode.decode_wait_s - wait0) / steps
@@ -204,6 +207,8 @@ def main() -> None:
                    help="replay the step from a traced graph (default: on CUDA only, as the server)")
     p.add_argument("--server-segment", action="store_true",
                    help="size the KV segment as the server does (engine.kv.store), not to the rows")
+    p.add_argument("--profile", action="store_true",
+                   help="mark the timed engine steps for ncu/nsys --profile-from-start off")
     p.add_argument("--split-only", action="store_true",
                    help="only the greedy engine step per segment count, with its time split")
     args = p.parse_args()
@@ -229,7 +234,8 @@ def main() -> None:
             for n in (int(x) for x in args.segments.split(",")):
                 split: dict = {}
                 engine_steps(model, b, args.context, args.steps, 0.0, segments=n, split=split,
-                             compile_decode=compile_decode, server_segment=args.server_segment)
+                             compile_decode=compile_decode, server_segment=args.server_segment,
+                             profile=args.profile)
                 census = split.pop("census")
                 line = {"batch": b, "context": args.context, "merge": args.merge, "fused": args.fuse,
                         "compiled": compile_decode,
