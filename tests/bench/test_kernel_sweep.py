@@ -1,0 +1,23 @@
+"""bench.kernel_sweep's packed-load variant is derived from the engine's kernel source: if
+that source changes under it, the sweep must say so rather than time a stale kernel."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import kernel_sweep
+from engine.kv import cuda_decode
+
+
+def test_the_vector_variant_replaces_every_scalar_load_and_use() -> None:
+    src = kernel_sweep.vector_source()
+    assert "kv[u]" not in src and "vv[u]" not in src
+    assert src.count("reinterpret_cast<const Pack*>") == 2
+    assert "static_cast<float>(kp[u].x[e])" in src and "static_cast<float>(vp[u].x[e])" in src
+
+
+def test_a_changed_kernel_source_stops_the_sweep(monkeypatch: pytest.MonkeyPatch) -> None:
+    changed = cuda_decode._SOURCE.replace("float kv[U][E];", "float k[U][E];")
+    monkeypatch.setattr(cuda_decode, "_SOURCE", changed)
+    with pytest.raises(RuntimeError, match="kernel's source changed"):
+        kernel_sweep.vector_source()
