@@ -15,6 +15,13 @@ E-element load (8 bytes for bf16 at D=128) and keep them packed in the model's d
 used, so a warp has fewer load instructions and half the registers per token in flight.
 They need E * sizeof(T) to be a power of two (so not D=96), which is why they live here
 until measured: the sweep checks each against the plain path before it times it.
+
+The `group*` variants change the layout, as vLLM's paged kernel does: 8 lanes share a
+token (each holds D/8 elements, read in 16-byte loads), so a warp scores 4 tokens at once
+and each (token, query head) costs a 3-step reduction among 8 lanes, not 5 among 32: about
+3 shuffles per token at GQA 4 instead of 20. The four lane groups are merged at the end
+(online-softmax state, two shuffle rounds), then the warps as before; the outputs and the
+merge kernel are unchanged. They need D/8 elements to fill whole 16-byte loads.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -76,24 +84,186 @@ def vector_source() -> str:
     return src
 
 
-def _use_source(vector: bool) -> None:
+_GROUP_HEAD = r"""
+    constexpr int G = LANES_PER_TOKEN;     // lanes per token
+    constexpr int F = D / G;               // elements of a row per lane
+    constexpr int V = 16 / sizeof(T);      // elements per 16-byte load
+    constexpr int NV = F / V;              // loads per row and lane
+    constexpr int TOKENS = 32 / G;         // tokens a warp scores at once
+    struct alignas(16) Pack { T x[V]; };
+    const int bh = blockIdx.x;
+    const int b = bh / H;
+    const int h = bh % H;
+    const int p = blockIdx.y;
+    const int P = gridDim.y;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int g = lane / G;
+    const int s = lane % G;
+    const int nb = table_shape[1];
+    const int len = lengths[b];
+    const int PART = part[0];
+    const int start = p * PART;
+    const int end = min(len, start + PART);
+    const float sc = scale[0];
+
+    float qv[REP][F];
+    float m[REP];
+    float l[REP];
+    float acc[REP][F];
+    #pragma unroll
+    for (int r = 0; r < REP; ++r) {
+        const T* qp = q + ((size_t)(b * H * REP + h * REP + r)) * D + s * F;
+        #pragma unroll
+        for (int f = 0; f < F; ++f) {
+            qv[r][f] = static_cast<float>(qp[f]) * sc;
+            acc[r][f] = 0.f;
+        }
+        m[r] = NEG_INF;
+        l[r] = 0.f;
+    }
+
+    // j0 depends on the warp only, so every lane of a warp runs each step's shuffles.
+    for (int j0 = start + warp * TOKENS; j0 < end; j0 += WARPS * TOKENS) {
+        const int j = j0 + g;
+        const bool live = j < end;
+        Pack kp[NV];
+        Pack vp[NV];
+        if (live) {
+            const int blk = table[b * nb + j / BS];
+            const size_t base = (((size_t)blk * BS + j % BS) * H + h) * D + s * F;
+            #pragma unroll
+            for (int i = 0; i < NV; ++i) {
+                kp[i] = reinterpret_cast<const Pack*>(k_pool + base)[i];
+                vp[i] = reinterpret_cast<const Pack*>(v_pool + base)[i];
+            }
+        } else {
+            #pragma unroll
+            for (int i = 0; i < NV; ++i) {
+                #pragma unroll
+                for (int v = 0; v < V; ++v) {
+                    kp[i].x[v] = static_cast<T>(0.f);
+                    vp[i].x[v] = static_cast<T>(0.f);
+                }
+            }
+        }
+        #pragma unroll
+        for (int r = 0; r < REP; ++r) {
+            float x = 0.f;
+            #pragma unroll
+            for (int i = 0; i < NV; ++i) {
+                #pragma unroll
+                for (int v = 0; v < V; ++v) x += qv[r][i * V + v] * static_cast<float>(kp[i].x[v]);
+            }
+            #pragma unroll
+            for (int o = G / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffff, x, o);
+            const float sv = live ? x : NEG_INF;
+            const float nm = fmaxf(m[r], sv);
+            const float corr = nm == NEG_INF ? 1.f : __expf(m[r] - nm);
+            const float pr = nm == NEG_INF ? 0.f : __expf(sv - nm);
+            l[r] = l[r] * corr + pr;
+            #pragma unroll
+            for (int i = 0; i < NV; ++i) {
+                #pragma unroll
+                for (int v = 0; v < V; ++v) {
+                    acc[r][i * V + v] = acc[r][i * V + v] * corr + pr * static_cast<float>(vp[i].x[v]);
+                }
+            }
+            m[r] = nm;
+        }
+    }
+
+    // Merge the warp's TOKENS lane groups: lanes s, s + G, s + 2G, ... hold the same slice.
+    #pragma unroll
+    for (int r = 0; r < REP; ++r) {
+        #pragma unroll
+        for (int o = G; o < 32; o <<= 1) {
+            const float om = __shfl_xor_sync(0xffffffff, m[r], o);
+            const float ol = __shfl_xor_sync(0xffffffff, l[r], o);
+            const float nm = fmaxf(m[r], om);
+            const float c1 = nm == NEG_INF ? 0.f : __expf(m[r] - nm);
+            const float c2 = nm == NEG_INF ? 0.f : __expf(om - nm);
+            l[r] = l[r] * c1 + ol * c2;
+            #pragma unroll
+            for (int f = 0; f < F; ++f) {
+                const float oa = __shfl_xor_sync(0xffffffff, acc[r][f], o);
+                acc[r][f] = acc[r][f] * c1 + oa * c2;
+            }
+            m[r] = nm;
+        }
+    }
+
+    __shared__ float sm_m[WARPS][REP];
+    __shared__ float sm_l[WARPS][REP];
+    __shared__ float sm_acc[WARPS][REP][D];
+    #pragma unroll
+    for (int r = 0; r < REP; ++r) {
+        if (lane == 0) {
+            sm_m[warp][r] = m[r];
+            sm_l[warp][r] = l[r];
+        }
+        if (g == 0) {
+            #pragma unroll
+            for (int f = 0; f < F; ++f) sm_acc[warp][r][s * F + f] = acc[r][f];
+        }
+    }
+    __syncthreads();
+
+"""
+_WARP_MERGE = "    for (int idx = threadIdx.x; idx < REP * D; idx += blockDim.x) {"
+
+
+def group_source(lanes: int = 8) -> str:
+    """The paged kernel with `lanes` lanes per token (see the module's docstring): its own
+    loop, then the engine kernel's merge of the warps and its writes, unchanged."""
+    src = cuda_decode._SOURCE
+    if _WARP_MERGE not in src:
+        raise RuntimeError("the kernel's source changed; update bench.kernel_sweep: the warps' merge")
+    return _GROUP_HEAD.replace("LANES_PER_TOKEN", str(lanes)) + src[src.index(_WARP_MERGE):]
+
+
+def group_fits(lanes: int, dtype: mx.Dtype, head_dim: int) -> bool:
+    """A lane's D/lanes elements must fill whole 16-byte loads."""
+    per_lane_bytes = head_dim // lanes * dtype.size
+    return head_dim % lanes == 0 and per_lane_bytes >= 16 and per_lane_bytes % 16 == 0
+
+
+# kind: (kernel name, source, which (dtype, head_dim) it can run)
+SOURCES: dict[str, tuple[str, Callable[[], str], Callable[[mx.Dtype, int], bool]]] = {
+    "scalar": ("headroom_paged_decode", lambda: cuda_decode._SOURCE, lambda dt, d: True),
+    "vector": ("headroom_paged_decode_vector", vector_source,
+               lambda dt, d: (d // 32 * dt.size) in (2, 4, 8, 16)),
+    "group": ("headroom_paged_decode_group", group_source, lambda dt, d: group_fits(8, dt, d)),
+    "group16": ("headroom_paged_decode_group16", lambda: group_source(16),
+                lambda dt, d: group_fits(16, dt, d)),
+}
+
+
+def _use_source(kind: str) -> None:
     """Swap the kernel the engine's `paged_decode` launches (a new name: MLX caches by it)."""
-    name, source = ("headroom_paged_decode_vector", vector_source()) if vector else (
-        "headroom_paged_decode", cuda_decode._SOURCE)
+    name, build, _ = SOURCES[kind]
+    source = build()
     kernel = mx.fast.cuda_kernel(
         name=name, input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale", "part"],
         output_names=["out", "out_m", "out_l"], source=source, header=cuda_decode._HEADER)
     cuda_decode._get_kernel = lambda: kernel
 
 
-# name, partition sizes, target blocks, tokens per warp step, packed loads
-VARIANTS = [("current", BASE, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, False),
-            ("vector", BASE, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, True),
-            ("vector_unroll8", BASE, 1056, 8, True), ("vector_unroll16", BASE, 1056, 16, True),
-            ("vector_target4k", BASE, 4224, 4, True), ("vector_target4k_unroll8", BASE, 4224, 8, True),
-            ("vector_fine_target4k", FINE, 4224, 4, True),
-            ("target4k", BASE, 4224, 4, False), ("unroll8", BASE, 1056, 8, False),
-            ("fine_target4k_unroll4", FINE, 4224, 4, False)]
+# name, partition sizes, target blocks, tokens per warp step (scalar, vector), kernel source
+VARIANTS = [("current", BASE, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, "scalar"),
+            ("vector", BASE, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, "vector"),
+            ("group", BASE, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, "group"),
+            ("group_target4k", BASE, 4224, 4, "group"), ("group_fine_target4k", FINE, 4224, 4, "group"),
+            ("group16", BASE, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, "group16"),
+            ("group16_target4k", BASE, 4224, 4, "group16"),
+            ("vector_unroll8", BASE, 1056, 8, "vector"), ("vector_unroll16", BASE, 1056, 16, "vector"),
+            ("vector_target4k", BASE, 4224, 4, "vector"), ("vector_fine_target4k", FINE, 4224, 4, "vector"),
+            ("target4k", BASE, 4224, 4, "scalar"), ("unroll8", BASE, 1056, 8, "scalar")]
+
+
+# dtype, batch, query heads, head dim, lengths: ragged rows, one token, several partitions
+CHECKS = ((mx.bfloat16, 5, 32, 128, [1, 17, 300, 1024, 4099]), (mx.float16, 3, 8, 64, [2, 513, 40]),
+          (mx.float32, 64, 32, 128, ragged(64, 1000)))
 
 
 def time_attention(batch: int, length: int, layers: int = 32, iters: int = 20) -> dict[str, object]:
@@ -130,19 +300,18 @@ def main() -> None:
     p.add_argument("--only", help="comma list of variant names (default: all)")
     args = p.parse_args()
     chosen = set(args.only.split(",")) if args.only else None
-    for name, parts, target, unroll, vector in VARIANTS:
+    for name, parts, target, unroll, kind in VARIANTS:
         if chosen is not None and name not in chosen:
             continue
         cuda_decode.PARTITIONS, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL = parts, target, unroll
         cuda_decode._launch.cache_clear()
         row: dict[str, object] = {"variant": name}
         try:
-            _use_source(vector)
+            _use_source(kind)
+            fits = SOURCES[kind][2]
             row["max_abs_err"] = max(
                 kernel_vs_plain(dt, b, hq, 8, d, lengths)["max_abs_err"]
-                for dt, b, hq, d, lengths in ((mx.bfloat16, 5, 32, 128, [1, 17, 300, 1024, 4099]),
-                                              (mx.float16, 3, 8, 64, [2, 513, 40]),
-                                              (mx.float32, 64, 32, 128, ragged(64, 1000))))
+                for dt, b, hq, d, lengths in CHECKS if fits(dt, d))
             for b in (int(x) for x in args.batch.split(",")):
                 row[f"b{b}"] = time_attention(b, args.context)
         except Exception as exc:  # a variant that fails to build or run: report it, go on
