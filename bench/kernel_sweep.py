@@ -74,56 +74,17 @@ _VECTOR_LOADS = """\
 
 def vector_source() -> str:
     """The paged kernel with packed loads (see the module's docstring)."""
-    src = cuda_decode._SOURCE
-    for old, new in ((_SCALAR_LOADS, _VECTOR_LOADS),
-                     ("qv[r][e] * kv[u][e]", "qv[r][e] * static_cast<float>(kp[u].x[e])"),
-                     ("pr * vv[u][e]", "pr * static_cast<float>(vp[u].x[e])")):
-        if old not in src:
-            raise RuntimeError(f"the kernel's source changed; update bench.kernel_sweep: {old[:40]!r}")
-        src = src.replace(old, new)
-    return src
+    return _replaced(cuda_decode._SOURCE, (
+        (_SCALAR_LOADS, _VECTOR_LOADS),
+        ("qv[r][e] * kv[u][e]", "qv[r][e] * static_cast<float>(kp[u].x[e])"),
+        ("pr * vv[u][e]", "pr * static_cast<float>(vp[u].x[e])"),
+    ))
 
 
-_GROUP_HEAD = r"""
-    constexpr int G = LANES_PER_TOKEN;     // lanes per token
-    constexpr int F = D / G;               // elements of a row per lane
-    constexpr int V = 16 / sizeof(T);      // elements per 16-byte load
-    constexpr int NV = F / V;              // loads per row and lane
-    constexpr int TOKENS = 32 / G;         // tokens a warp scores at once
-    struct alignas(16) Pack { T x[V]; };
-    const int bh = blockIdx.x;
-    const int b = bh / H;
-    const int h = bh % H;
-    const int p = blockIdx.y;
-    const int P = gridDim.y;
-    const int warp = threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
+_GROUP_LOOP = r"""
+    // j0 depends on the warp only, so every lane of a warp runs each step's shuffles.
     const int g = lane / G;
     const int s = lane % G;
-    const int nb = table_shape[1];
-    const int len = lengths[b];
-    const int PART = part[0];
-    const int start = p * PART;
-    const int end = min(len, start + PART);
-    const float sc = scale[0];
-
-    float qv[REP][F];
-    float m[REP];
-    float l[REP];
-    float acc[REP][F];
-    #pragma unroll
-    for (int r = 0; r < REP; ++r) {
-        const T* qp = q + ((size_t)(b * H * REP + h * REP + r)) * D + s * F;
-        #pragma unroll
-        for (int f = 0; f < F; ++f) {
-            qv[r][f] = static_cast<float>(qp[f]) * sc;
-            acc[r][f] = 0.f;
-        }
-        m[r] = NEG_INF;
-        l[r] = 0.f;
-    }
-
-    // j0 depends on the warp only, so every lane of a warp runs each step's shuffles.
     for (int j0 = start + warp * TOKENS; j0 < end; j0 += WARPS * TOKENS) {
         const int j = j0 + g;
         const bool live = j < end;
@@ -131,7 +92,7 @@ _GROUP_HEAD = r"""
         Pack vp[NV];
         if (live) {
             const int blk = table[b * nb + j / BS];
-            const size_t base = (((size_t)blk * BS + j % BS) * H + h) * D + s * F;
+            const size_t base = (((size_t)blk * BS + j % BS) * H + h) * D + s * E;
             #pragma unroll
             for (int i = 0; i < NV; ++i) {
                 kp[i] = reinterpret_cast<const Pack*>(k_pool + base)[i];
@@ -185,41 +146,52 @@ _GROUP_HEAD = r"""
             const float c2 = nm == NEG_INF ? 0.f : __expf(om - nm);
             l[r] = l[r] * c1 + ol * c2;
             #pragma unroll
-            for (int f = 0; f < F; ++f) {
-                const float oa = __shfl_xor_sync(0xffffffff, acc[r][f], o);
-                acc[r][f] = acc[r][f] * c1 + oa * c2;
+            for (int e = 0; e < E; ++e) {
+                const float oa = __shfl_xor_sync(0xffffffff, acc[r][e], o);
+                acc[r][e] = acc[r][e] * c1 + oa * c2;
             }
             m[r] = nm;
         }
     }
 
-    __shared__ float sm_m[WARPS][REP];
-    __shared__ float sm_l[WARPS][REP];
-    __shared__ float sm_acc[WARPS][REP][D];
-    #pragma unroll
-    for (int r = 0; r < REP; ++r) {
-        if (lane == 0) {
-            sm_m[warp][r] = m[r];
-            sm_l[warp][r] = l[r];
-        }
-        if (g == 0) {
-            #pragma unroll
-            for (int f = 0; f < F; ++f) sm_acc[warp][r][s * F + f] = acc[r][f];
-        }
-    }
-    __syncthreads();
-
 """
-_WARP_MERGE = "    for (int idx = threadIdx.x; idx < REP * D; idx += blockDim.x) {"
+_GROUP_CONSTANTS = """\
+    constexpr int G = LANES_PER_TOKEN;     // lanes per token
+    constexpr int E = D / G;               // elements of a row per lane
+    constexpr int V = 16 / sizeof(T);      // elements per 16-byte load
+    constexpr int NV = E / V;              // loads per row and lane
+    constexpr int TOKENS = 32 / G;         // tokens a warp scores at once
+    struct alignas(16) Pack { T x[V]; };"""
+_MAIN_LOOP = "    for (int j0 = start + warp * U; j0 < end; j0 += WARPS * U) {"
+_WARP_STATE = "    __shared__ float sm_m[WARPS][REP];"
+
+
+def _replaced(src: str, pairs: tuple[tuple[str, str], ...]) -> str:
+    for old, new in pairs:
+        if old not in src:
+            raise RuntimeError(f"the kernel's source changed; update bench.kernel_sweep: {old[:40]!r}")
+        src = src.replace(old, new)
+    return src
 
 
 def group_source(lanes: int = 8) -> str:
-    """The paged kernel with `lanes` lanes per token (see the module's docstring): its own
-    loop, then the engine kernel's merge of the warps and its writes, unchanged."""
+    """The paged kernel with `lanes` lanes per token (see the module's docstring): the
+    engine kernel's set-up, with a lane's slice of D/lanes elements, then its own loop and
+    the lane groups' merge, then the engine kernel's merge of the warps (only the first
+    group's lanes hold the whole row) and its writes."""
     src = cuda_decode._SOURCE
-    if _WARP_MERGE not in src:
-        raise RuntimeError("the kernel's source changed; update bench.kernel_sweep: the warps' merge")
-    return _GROUP_HEAD.replace("LANES_PER_TOKEN", str(lanes)) + src[src.index(_WARP_MERGE):]
+    for marker in (_MAIN_LOOP, _WARP_STATE):
+        if marker not in src:
+            raise RuntimeError(f"the kernel's source changed; update bench.kernel_sweep: {marker[:40]!r}")
+    head = _replaced(src[: src.index(_MAIN_LOOP)], (
+        ("    constexpr int E = D / 32;", _GROUP_CONSTANTS.replace("LANES_PER_TOKEN", str(lanes))),
+        ("* D + lane * E;", "* D + (lane % G) * E;"),
+    ))
+    tail = _replaced(src[src.index(_WARP_STATE):], (
+        ("        for (int e = 0; e < E; ++e) sm_acc[warp][r][lane * E + e] = acc[r][e];",
+         "        for (int e = 0; e < E; ++e) if (lane < G) sm_acc[warp][r][lane * E + e] = acc[r][e];"),
+    ))
+    return head + _GROUP_LOOP + tail
 
 
 def group_fits(lanes: int, dtype: mx.Dtype, head_dim: int) -> bool:
@@ -228,7 +200,6 @@ def group_fits(lanes: int, dtype: mx.Dtype, head_dim: int) -> bool:
     return head_dim % lanes == 0 and per_lane_bytes >= 16 and per_lane_bytes % 16 == 0
 
 
-# kind: (kernel name, source, which (dtype, head_dim) it can run)
 SOURCES: dict[str, tuple[str, Callable[[], str], Callable[[mx.Dtype, int], bool]]] = {
     "scalar": ("headroom_paged_decode", lambda: cuda_decode._SOURCE, lambda dt, d: True),
     "vector": ("headroom_paged_decode_vector", vector_source,

@@ -21,3 +21,12 @@ def test_a_changed_kernel_source_stops_the_sweep(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(cuda_decode, "_SOURCE", changed)
     with pytest.raises(RuntimeError, match="kernel's source changed"):
         kernel_sweep.vector_source()
+
+
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_the_group_variant_keeps_the_engine_kernels_set_up_and_writes(lanes: int) -> None:
+    src = kernel_sweep.group_source(lanes)
+    assert f"constexpr int G = {lanes};" in src and "constexpr int E = D / 32;" not in src
+    assert "(lane % G) * E" in src and "if (lane < G) sm_acc" in src
+    tail = cuda_decode._SOURCE[cuda_decode._SOURCE.index("    for (int idx = threadIdx.x"):]
+    assert src.endswith(tail)  # the warps' merge and the writes are the engine kernel's own
