@@ -39,19 +39,9 @@ from engine.kv import cuda_decode
 
 BASE = cuda_decode.PARTITIONS
 FINE = (16, 32, *BASE)
-_SCALAR_LOADS = """\
-        float kv[U][E];
-        float vv[U][E];
-        #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const bool live = j0 + u < end;
-            const size_t base = base0 + (size_t)u * H * D;
-            #pragma unroll
-            for (int e = 0; e < E; ++e) {
-                kv[u][e] = live ? static_cast<float>(k_pool[base + e]) : 0.f;
-                vv[u][e] = live ? static_cast<float>(v_pool[base + e]) : 0.f;
-            }
-        }"""
+# The engine kernel's loads run from its K/V registers' declaration to its scoring loop.
+_LOADS_START = "        float kv[U][E];"
+_SCORING = "        #pragma unroll\n        for (int r = 0; r < REP; ++r) {\n            float s[U];"
 _VECTOR_LOADS = """\
         struct alignas(sizeof(T) * E) Pack { T x[E]; };
         Pack kp[U];
@@ -74,8 +64,13 @@ _VECTOR_LOADS = """\
 
 def vector_source() -> str:
     """The paged kernel with packed loads (see the module's docstring)."""
-    return _replaced(cuda_decode._SOURCE, (
-        (_SCALAR_LOADS, _VECTOR_LOADS),
+    src = cuda_decode._SOURCE
+    for marker in (_LOADS_START, _SCORING):
+        if marker not in src:
+            raise RuntimeError(f"the kernel's source changed; update bench.kernel_sweep: {marker[:40]!r}")
+    loads = src[src.index(_LOADS_START): src.index(_SCORING)]
+    return _replaced(src, (
+        (loads, _VECTOR_LOADS + "\n"),
         ("qv[r][e] * kv[u][e]", "qv[r][e] * static_cast<float>(kp[u].x[e])"),
         ("pr * vv[u][e]", "pr * static_cast<float>(vp[u].x[e])"),
     ))
