@@ -207,6 +207,8 @@ def main() -> None:
                    help="replay the step from a traced graph (default: on CUDA only, as the server)")
     p.add_argument("--server-segment", action="store_true",
                    help="size the KV segment as the server does (engine.kv.store), not to the rows")
+    p.add_argument("--kernel-variant", help="time the step with a bench.kernel_sweep variant of the "
+                   "paged kernel (CUDA), e.g. group16")
     p.add_argument("--profile", action="store_true",
                    help="mark the timed engine steps for ncu/nsys --profile-from-start off")
     p.add_argument("--split-only", action="store_true",
@@ -224,6 +226,11 @@ def main() -> None:
         mx.eval(model.parameters())
         fuse_projections(model)
     compile_decode = on_cuda_by_default(args.compile_decode, backend_name())
+    if args.kernel_variant:
+        from bench.kernel_sweep import use_variant
+
+        dtype = getattr(mx, str(dummy_config(args.model, args.dtype)["torch_dtype"]))
+        use_variant(args.kernel_variant, dtype, geometry_from_model(model).head_dim)
     out = []
     combined: dict[str, Any] = {"probe_start": host_probe()}
     for b in (int(x) for x in args.batch.split(",")):
@@ -238,6 +245,7 @@ def main() -> None:
                              profile=args.profile)
                 census = split.pop("census")
                 line = {"batch": b, "context": args.context, "merge": args.merge, "fused": args.fuse,
+                        "kernel_variant": args.kernel_variant or "engine",
                         "compiled": compile_decode,
                         "bare_ms": round(bare * 1e3, 2), "bare_ops": sum(bare_census.values()), **bare_busy,
                         **split,

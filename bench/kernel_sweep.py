@@ -227,6 +227,22 @@ VARIANTS = [("current", BASE, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, "sc
             ("target4k", BASE, 4224, 4, "scalar"), ("unroll8", BASE, 1056, 8, "scalar")]
 
 
+def use_variant(name: str, dtype: mx.Dtype | None = None, head_dim: int | None = None) -> str:
+    """Make the engine's `paged_decode` launch variant `name` (its launch settings and its
+    source) from now on, in this process; returns the variant's source kind. With `dtype`
+    and `head_dim`, refuses a variant that cannot take that shape."""
+    for v_name, parts, target, unroll, kind in VARIANTS:
+        if v_name != name:
+            continue
+        if dtype is not None and head_dim is not None and not SOURCES[kind][2](dtype, head_dim):
+            raise ValueError(f"kernel variant {name} cannot take {dtype} at head_dim {head_dim}")
+        cuda_decode.PARTITIONS, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL = parts, target, unroll
+        cuda_decode._launch.cache_clear()
+        _use_source(kind)
+        return kind
+    raise ValueError(f"no kernel variant {name!r}; there are {[v[0] for v in VARIANTS]}")
+
+
 # dtype, batch, query heads, head dim, lengths: ragged rows, one token, several partitions
 CHECKS = ((mx.bfloat16, 5, 32, 128, [1, 17, 300, 1024, 4099]), (mx.float16, 3, 8, 64, [2, 513, 40]),
           (mx.float32, 64, 32, 128, ragged(64, 1000)))
@@ -266,15 +282,12 @@ def main() -> None:
     p.add_argument("--only", help="comma list of variant names (default: all)")
     args = p.parse_args()
     chosen = set(args.only.split(",")) if args.only else None
-    for name, parts, target, unroll, kind in VARIANTS:
+    for name, *_ in VARIANTS:
         if chosen is not None and name not in chosen:
             continue
-        cuda_decode.PARTITIONS, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL = parts, target, unroll
-        cuda_decode._launch.cache_clear()
         row: dict[str, object] = {"variant": name}
         try:
-            _use_source(kind)
-            fits = SOURCES[kind][2]
+            fits = SOURCES[use_variant(name)][2]
             row["max_abs_err"] = max(
                 kernel_vs_plain(dt, b, hq, 8, d, lengths)["max_abs_err"]
                 for dt, b, hq, d, lengths in CHECKS if fits(dt, d))

@@ -30,3 +30,15 @@ def test_the_group_variant_keeps_the_engine_kernels_set_up_and_writes(lanes: int
     assert "(lane % G) * E" in src and "if (lane < G) sm_acc" in src
     tail = cuda_decode._SOURCE[cuda_decode._SOURCE.index("    for (int idx = threadIdx.x"):]
     assert src.endswith(tail)  # the warps' merge and the writes are the engine kernel's own
+
+
+def test_a_variant_that_cannot_take_the_models_shape_is_refused_before_anything_changes() -> None:
+    import mlx.core as mx
+
+    before = (cuda_decode.PARTITIONS, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, cuda_decode._get_kernel)
+    with pytest.raises(ValueError, match="cannot take"):
+        kernel_sweep.use_variant("group16", mx.float32, 32)  # 2 elements per lane: no 16-byte load
+    with pytest.raises(ValueError, match="no kernel variant"):
+        kernel_sweep.use_variant("nosuch")
+    assert (cuda_decode.PARTITIONS, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL,
+            cuda_decode._get_kernel) == before
