@@ -28,13 +28,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections.abc import Callable
 
 import mlx.core as mx
-import numpy as np
 
-from bench.kv_store import kernel_vs_plain, ragged
+from bench.kv_store import attention_only, kernel_vs_plain, ragged
 from engine.kv import cuda_decode
 
 BASE = cuda_decode.PARTITIONS
@@ -208,10 +206,7 @@ SOURCES: dict[str, tuple[str, Callable[[], str], Callable[[mx.Dtype, int], bool]
 def _use_source(kind: str) -> None:
     """Swap the kernel the engine's `paged_decode` launches (a new name: MLX caches by it)."""
     name, build, _ = SOURCES[kind]
-    source = build()
-    kernel = mx.fast.cuda_kernel(
-        name=name, input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale", "part"],
-        output_names=["out", "out_m", "out_l"], source=source, header=cuda_decode._HEADER)
+    kernel = cuda_decode.build_kernel(name, build())
     cuda_decode._get_kernel = lambda: kernel
 
 
@@ -248,31 +243,14 @@ CHECKS = ((mx.bfloat16, 5, 32, 128, [1, 17, 300, 1024, 4099]), (mx.float16, 3, 8
           (mx.float32, 64, 32, 128, ragged(64, 1000)))
 
 
-def time_attention(batch: int, length: int, layers: int = 32, iters: int = 20) -> dict[str, object]:
-    bs, kv_heads, dim = 16, 8, 128
-    nb = -(-length // bs)
-    total = batch * nb
-    table = mx.array(np.random.default_rng(1).permutation(total).astype(np.int32).reshape(batch, nb))
-    k = mx.random.normal((total * bs, kv_heads, dim)).astype(mx.bfloat16)
-    v = mx.random.normal((total * bs, kv_heads, dim)).astype(mx.bfloat16)
-    q = mx.random.normal((batch, 32, 1, dim)).astype(mx.bfloat16)
-    lens = mx.full((batch,), length, mx.int32)
-
-    def run() -> mx.array:
-        return mx.stack([cuda_decode.paged_decode(q, k, v, table, lens, length, 0.088, bs)
-                         for _ in range(layers)])
-
-    for _ in range(3):
-        mx.eval(run())
-    mx.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        mx.eval(run())
-    mx.synchronize()
-    s = (time.perf_counter() - start) / iters
-    kv_bytes = batch * length * kv_heads * dim * 2 * 2 * layers
-    return {"ms": round(s * 1e3, 3), "gb_s": round(kv_bytes / s / 1e9), "split": cuda_decode.partition_split(
-        batch, kv_heads, length)}
+def time_attention(batch: int, length: int, layers: int = 32) -> dict[str, object]:
+    """32 layers of the kernel and its merge at `length` tokens per row, and the KV
+    bandwidth that reached (`bench.kv_store.attention_only`, kernel only)."""
+    ms = attention_only(mx.bfloat16, batch, length, layers, lengths=[length] * batch,
+                        paths=("kernel",))["kernel_ms"]
+    kv_bytes = batch * length * 8 * 128 * 2 * 2 * layers
+    return {"ms": ms, "gb_s": round(kv_bytes / (ms / 1e3) / 1e9), "split": cuda_decode.partition_split(
+        batch, 8, length)}
 
 
 def main() -> None:

@@ -222,12 +222,15 @@ def kernel_vs_plain(dtype: mx.Dtype, batch: int, heads: int, kv_heads: int, dim:
             "max_len": max(lengths), "max_abs_err": err}
 
 
-def attention_only(dtype: mx.Dtype, batch: int, context: int, layers: int = 32) -> dict[str, Any]:
-    """ms for `layers` decode attentions (32 query / 8 KV heads, dim 128), as KV-NOTES' table."""
+def attention_only(dtype: mx.Dtype, batch: int, context: int, layers: int = 32,
+                   lengths: list[int] | None = None,
+                   paths: tuple[str, ...] = ("kernel", "plain")) -> dict[str, Any]:
+    """ms for `layers` decode attentions (32 query / 8 KV heads, dim 128), as KV-NOTES' table,
+    by each of `paths`; the rows' lengths default to `ragged` ones up to `context`."""
     from engine.kv.cuda_decode import paged_decode
 
     bs = 16
-    lengths = ragged(batch, context)
+    lengths = ragged(batch, context) if lengths is None else lengths
     nb = -(-context // bs)
     total = batch * nb
     rng = np.random.default_rng(1)
@@ -239,7 +242,7 @@ def attention_only(dtype: mx.Dtype, batch: int, context: int, layers: int = 32) 
     group = DecodeGroup(segment=None, rows=None, write=lens, table=table, lengths=lens,  # type: ignore[arg-type]
                         max_length=max(lengths))
     out = {}
-    for name in ("kernel", "plain"):
+    for name in paths:
         def run(name: str = name) -> mx.array:
             outs = []
             for _ in range(layers):

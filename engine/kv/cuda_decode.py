@@ -176,16 +176,23 @@ _scales: dict[float, mx.array] = {}
 _F32X3 = [mx.float32, mx.float32, mx.float32]
 
 
+def build_kernel(name: str = "headroom_paged_decode", source: str = _SOURCE) -> Any:
+    """The paged kernel from `source`, with the inputs and outputs `paged_decode` passes
+    (`bench.kernel_sweep` builds its variants here, each under its own name: MLX caches a
+    compiled kernel by name)."""
+    return mx.fast.cuda_kernel(
+        name=name,
+        input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale", "part"],
+        output_names=["out", "out_m", "out_l"],
+        source=source,
+        header=_HEADER,
+    )
+
+
 def _get_kernel() -> Any:
     global _kernel
     if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
-            name="headroom_paged_decode",
-            input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale", "part"],
-            output_names=["out", "out_m", "out_l"],
-            source=_SOURCE,
-            header=_HEADER,
-        )
+        _kernel = build_kernel()
     return _kernel
 
 
