@@ -21,6 +21,8 @@ import time
 from types import TracebackType
 from typing import Any
 
+from memory.probes.nvml import visible_device
+
 
 class GpuBusy:
     """Polls NVML's utilisation on a thread while the block runs.
@@ -42,7 +44,7 @@ class GpuBusy:
             import pynvml  # type: ignore[import-not-found, unused-ignore]
 
             pynvml.nvmlInit()
-            self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+            self._nvml, self._handle = pynvml, visible_device(pynvml)
         except Exception:  # no package, no driver, no device: report None
             self._nvml = None
 

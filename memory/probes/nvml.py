@@ -76,7 +76,7 @@ def process_footprint(
     return max(derived, allocator_bytes), SOURCE_DEVICE_MINUS_OTHERS
 
 
-def _visible_device(pynvml: Any) -> Any:
+def visible_device(pynvml: Any) -> Any:
     """The NVML handle of the device MLX uses: the first of ``CUDA_VISIBLE_DEVICES`` (NVML
     numbers devices ignoring that variable), else device 0."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
@@ -96,7 +96,7 @@ class PynvmlReader:
 
         pynvml.nvmlInit()
         self._nvml = pynvml
-        self._handle = _visible_device(pynvml)
+        self._handle = visible_device(pynvml)
 
     def __call__(self) -> NvmlReading:
         nvml, handle = self._nvml, self._handle
