@@ -218,18 +218,19 @@ def main() -> None:
         from engine.kv import cuda_decode
 
         cuda_decode.merge_partitions = cuda_decode.merge_partitions_reference
-    bare_model = build_dummy_model(dummy_config(args.model, args.dtype))
+    config = dummy_config(args.model, args.dtype)
+    bare_model = build_dummy_model(config)
     mx.eval(bare_model.parameters())
     model = bare_model
     if args.fuse:
-        model = build_dummy_model(dummy_config(args.model, args.dtype))
+        model = build_dummy_model(config)
         mx.eval(model.parameters())
         fuse_projections(model)
     compile_decode = on_cuda_by_default(args.compile_decode, backend_name())
     if args.kernel_variant:
         from bench.kernel_sweep import use_variant
 
-        dtype = getattr(mx, str(dummy_config(args.model, args.dtype)["torch_dtype"]))
+        dtype = getattr(mx, str(config["torch_dtype"]))
         use_variant(args.kernel_variant, dtype, geometry_from_model(model).head_dim)
     out = []
     combined: dict[str, Any] = {"probe_start": host_probe()}
