@@ -257,12 +257,14 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--context", type=int, default=1100)
     p.add_argument("--batch", default="1,32,64")
-    p.add_argument("--only", help="comma list of variant names (default: all)")
+    p.add_argument("--only", help="comma list of variant names, run in that order, repeats allowed "
+                   "(interleave A/B: current,vector,vector,current); default: all, once each")
     args = p.parse_args()
-    chosen = set(args.only.split(",")) if args.only else None
-    for name, *_ in VARIANTS:
-        if chosen is not None and name not in chosen:
-            continue
+    known = [name for name, *_ in VARIANTS]
+    names = args.only.split(",") if args.only else known
+    if unknown := sorted(set(names) - set(known)):
+        p.error(f"unknown variants {unknown}; known: {known}")
+    for name in names:
         row: dict[str, object] = {"variant": name}
         try:
             fits = SOURCES[use_variant(name)][2]

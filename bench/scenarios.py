@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 
+from bench.gpu_busy import GpuBusy
 from bench.loadgen import LoadReport, Workload, filler, run_load
 from bench.servers import Server, Watch
 
@@ -76,12 +77,13 @@ async def throughput(server: Server, model: str, sizes: Sizes) -> list[dict[str,
                                     first_index=(i + 1) * 100_000 + rep * 10_000 + (0 if stream else 5_000))
                 before = await _memory_view(server)
                 cpu_before = _cpu_s(server)
-                report, watch = await _load(server, workload)
+                with GpuBusy() as busy:
+                    report, watch = await _load(server, workload)
                 after = await _memory_view(server)
                 cpu_after = _cpu_s(server)
                 summary = report.summary()
                 point = {"concurrency": c, "stream": stream, "run": "cold" if rep == 0 else "warm",
-                         **summary, "watch": watch}
+                         **summary, "watch": watch, "gpu_busy_pct": busy.percent}
                 if cpu_before and cpu_after and summary["wall_s"]:
                     wall = summary["wall_s"]
                     point["cpu"] = {

@@ -46,7 +46,8 @@ def compact(data: dict[str, Any]) -> str:
     lines.append("C  mode   run  | bound tok/s | ours tok/s (frac) ok/drop | mlx_lm tok/s (frac) ok/drop "
                  "| ours TTFT p50/p95 ms | ours TPOT p50/p95 ms, steady p50 (x bare step) "
                  "| mlx_lm TTFT p50 / TPOT p50 "
-                 "| step ms = device wait + queue + host, idle %, chunks/call | asyncio thread CPU % "
+                 "| step ms = device wait + queue + host, idle %, chunks/call | GPU busy % ours/mlx_lm "
+                 "| asyncio thread CPU % "
                  "| admission ms/step, hand-backs | prefill tok/s (while the engine waits on it) "
                  "| replayed steps %, traces")
     for key in sorted(set(ours) | set(theirs), key=lambda k: (k[0], not k[1], k[2])):
@@ -68,6 +69,7 @@ def compact(data: dict[str, Any]) -> str:
             f"| {_f(e.get('step_ms'), 1)} = {_f(e.get('device_wait_ms_per_step'), 1)} + "
             f"{_f(e.get('queue_ms_per_step'), 1)} + {_f(e.get('host_ms_per_step'), 1)}, "
             f"{_f(e.get('idle_pct'))}%, {per_call} "
+            f"| {_f(o.get('gpu_busy_pct'), 0)}/{_f(t.get('gpu_busy_pct'), 0)} "
             f"| {_f((o.get('cpu') or {}).get('asyncio_thread_pct'), 1)} "
             f"| {_f(e.get('admission_ms_per_step'), 2)}, {e.get('hand_backs', '-')} "
             f"| {_f(e.get('prefill_tok_s'), 0)} "

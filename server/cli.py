@@ -77,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=None,
                        help="one matmul for q/k/v and one for gate/up per layer, fused at load "
                        "(default on)")
+    serve.add_argument("--gil-switch-interval-ms", type=float,
+                       help="how long a thread waiting for Python's GIL waits before the holder is made "
+                       "to let go (sys.setswitchinterval; default Python's 5 ms)")
     serve.add_argument("--memory-tier", choices=["safe", "balanced", "aggressive", "custom"])
     serve.add_argument("--memory-ceiling-bytes", type=int)
     serve.add_argument("--memory-probe", choices=["auto", "macos", "linux", "cuda", "allocator"])
@@ -186,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     from server.access_log import configure_logging
 
     configure_logging(settings.log_level)
+    if settings.gil_switch_interval_ms is not None:
+        sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)
     if (settings.tensor_parallel > 1 or settings.hostfile) and "MLX_RANK" not in os.environ:
         from engine.distributed import launcher
 

@@ -74,6 +74,12 @@ class Settings(BaseSettings):
     fuse_projections: bool = Field(
         True, description="one matmul for q/k/v and one for gate/up per layer, fused at load (engine.fusion)"
     )
+    gil_switch_interval_ms: float | None = Field(
+        None, gt=0, le=100,
+        description="Python's thread switch interval (sys.setswitchinterval), in ms (None: Python's 5 ms). "
+        "The engine thread and the HTTP thread share one GIL; a thread waiting for it waits up to "
+        "this long for the other to let go",
+    )
     default_max_tokens: int = Field(512, ge=1)
     max_tokens_cap: int = Field(32768, ge=1)
     shutdown_grace_s: float = Field(30.0, ge=0)
