@@ -1,0 +1,55 @@
+"""The GIL's switch interval (`--gil-switch-interval-ms`): the engine thread and the HTTP
+thread share one GIL, and a thread that wants it back waits up to this long before the
+holder is made to let go. The server process sets it at start-up and logs the value it
+reads back, so the log says what the process really runs with."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from server.settings import Settings
+
+
+def _logged_interval_ms(log: str) -> list[float]:
+    found = []
+    for line in log.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if "gil_switch_interval_ms" in record:
+            found.append(record["gil_switch_interval_ms"])
+    return found
+
+
+def test_the_server_process_runs_with_the_interval_it_was_given(start_server) -> None:  # type: ignore[no-untyped-def]
+    proc = start_server(args=["--gil-switch-interval-ms", "0.7"])
+    assert _logged_interval_ms(proc.log()) == [0.7]
+    r = httpx.post(f"{proc.url}/v1/completions",
+                   json={"model": "mlx-headroom/tiny-chat", "prompt": "hi", "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_without_the_flag_the_cpu_keeps_pythons_interval(start_server) -> None:  # type: ignore[no-untyped-def]
+    proc = start_server()
+    assert _logged_interval_ms(proc.log()) == [round(sys.getswitchinterval() * 1000, 3)]
+
+
+@pytest.mark.parametrize(("backend", "interval"), [("cuda", 0.5), ("metal", None), ("cpu", None)])
+def test_the_default_follows_the_backend(monkeypatch: pytest.MonkeyPatch, backend: str,
+                                         interval: float | None) -> None:
+    monkeypatch.setattr("engine.loader.backend_name", lambda: backend)
+    assert Settings().gil_switch_interval_ms == interval
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "500"])
+def test_an_interval_out_of_range_is_refused_before_loading(value: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--gil-switch-interval-ms", value],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "gil_switch_interval_ms" in done.stderr
