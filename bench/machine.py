@@ -11,6 +11,7 @@ model's weight bytes. One decode step of one sequence reads every weight once, s
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import platform
@@ -76,8 +77,22 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def source_digest() -> str:
+    """A hash of the code that ran (every .py file of the packages and the bench, by path and
+    content). The git commit alone can mislead: a copied working tree may carry a stale
+    `.git` (the device machines keep one between calls), so a result's commit named the
+    last synced HEAD, not the code. `python -c 'from bench.machine import source_digest;
+    print(source_digest())'` on a checkout says whether it is the code a result came from."""
+    digest = hashlib.sha256()
+    for package in ("engine", "memory", "server", "bench"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
 def versions() -> dict[str, Any]:
-    return {"mlx": _version("mlx"), "mlx_lm": _version("mlx-lm"), "mlx_headroom": our_version()}
+    return {"mlx": _version("mlx"), "mlx_lm": _version("mlx-lm"), "mlx_headroom": our_version(),
+            "source_digest": source_digest()}
 
 
 def copy_bandwidth(n_bytes: int, repeats: int = 8) -> dict[str, Any]:

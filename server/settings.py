@@ -26,10 +26,11 @@ def backend_defaults() -> BackendDefaults:
     (docs/throughput.md, session 4), and a card's memory is the server's alone; the guard
     still checks every chunk, so the larger chunk and cap are admitted only where they fit.
 
-    The GIL's switch interval: on the H200 at C=32, 0.5 ms against Python's 5 ms gave 4-14 %
-    more tok/s streaming and 0-5 % for whole responses, in a run that had the default before
-    and after it agree within 1 %, and 0.1 ms was slower (docs/throughput.md, session 9).
-    Metal and the CPU were not measured, so they keep Python's."""
+    The GIL's switch interval: on the H200, 0.5 ms against Python's 5 ms gave 5 % more tok/s
+    at C=32 and 2-5 % at C=64 (8 points each, beating the better of two default runs in 6 of
+    8), where the two default runs, before and after, agreed within 0.2 % at C=32; 0.1 ms was
+    no better than the default (docs/throughput.md, session 9). Metal and the CPU were not
+    measured, so they keep Python's."""
     from engine.loader import backend_name
 
     if backend_name() == "cuda":
