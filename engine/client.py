@@ -25,7 +25,6 @@ from memory import MemoryGuard
 
 log = logging.getLogger("mlx_headroom.engine")
 
-GIL_SWITCH_INTERVAL_S = 0.001
 ENGINE_JOIN_TIMEOUT_S = 30.0  # a decode step of a big batch plus the teardown
 
 
@@ -93,8 +92,12 @@ class EngineClient:
     async def start(self) -> None:
         # The engine thread hands the GIL back and forth with the event loop every step;
         # at CPython's default 5 ms switch interval each handoff can stall the decode loop
-        # for that long while the loop is busy streaming. 1 ms keeps the stall small.
-        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
+        # for that long while the loop is busy streaming. 1 ms (the default) took C=8 from
+        # 225 to 536 tok/s on the H200; 0.5 and 0.1 ms were not clearly better
+        # (docs/throughput.md, session 9). The value is process-wide.
+        sys.setswitchinterval(self.config.gil_switch_interval_s)
+        interval_ms = round(sys.getswitchinterval() * 1000, 3)  # read back: what the process runs with
+        log.info("GIL switch interval: %s ms", interval_ms, extra={"gil_switch_interval_ms": interval_ms})
         self._loop = asyncio.get_running_loop()
         ready: asyncio.Future[None] = self._loop.create_future()
 

@@ -61,6 +61,9 @@ class EngineConfig:
     # Run a few small requests before serving, so that first-use kernel compilation is not
     # paid inside users' requests (engine.warmup). None: on for CUDA, where it was measured.
     warm_up: bool | None = None
+    # The GIL's switch interval while the engine runs (engine.client): the engine thread and
+    # the event loop hand the GIL back and forth every step.
+    gil_switch_interval_s: float = 0.001
 
 
 @dataclass(frozen=True)

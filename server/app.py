@@ -72,6 +72,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         prefill_batch=settings.prefill_batch,
         compile_decode=settings.compile_decode,
         warm_up=settings.warm_up,
+        gil_switch_interval_s=settings.gil_switch_interval_ms / 1000,
     )
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -80,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
                        "(default on)")
     serve.add_argument("--gil-switch-interval-ms", type=float,
                        help="how long a thread waiting for Python's GIL waits before the holder is made "
-                       "to let go (sys.setswitchinterval; default 0.5 on CUDA, Python's 5 elsewhere)")
+                       "to let go, while the engine runs (sys.setswitchinterval; default 1)")
     serve.add_argument("--memory-tier", choices=["safe", "balanced", "aggressive", "custom"])
     serve.add_argument("--memory-ceiling-bytes", type=int)
     serve.add_argument("--memory-probe", choices=["auto", "macos", "linux", "cuda", "allocator"])
@@ -190,11 +189,6 @@ def main(argv: list[str] | None = None) -> int:
     from server.access_log import configure_logging
 
     configure_logging(settings.log_level)
-    if settings.gil_switch_interval_ms is not None:
-        sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)
-    interval_ms = round(sys.getswitchinterval() * 1000, 3)  # read back: what the process runs with
-    logging.getLogger("mlx_headroom.server").info(
-        "GIL switch interval: %s ms", interval_ms, extra={"gil_switch_interval_ms": interval_ms})
     if (settings.tensor_parallel > 1 or settings.hostfile) and "MLX_RANK" not in os.environ:
         from engine.distributed import launcher
 

@@ -16,7 +16,6 @@ GiB = 1 << 30
 class BackendDefaults:
     prefill_step_size: int
     max_concurrency: int
-    gil_switch_interval_ms: float | None = None  # None: Python's own (5 ms)
 
 
 def backend_defaults() -> BackendDefaults:
@@ -24,17 +23,11 @@ def backend_defaults() -> BackendDefaults:
     machine, so a chunk's activations stay small (512 tokens, as before). On CUDA the H200
     ran 1k-token prompts at C=32 at 864 tok/s with 512 against 1,640-1,880 with 2048
     (docs/throughput.md, session 4), and a card's memory is the server's alone; the guard
-    still checks every chunk, so the larger chunk and cap are admitted only where they fit.
-
-    The GIL's switch interval: on the H200, 0.5 ms against Python's 5 ms gave 5 % more tok/s
-    at C=32 and 2-5 % at C=64 (8 points each, beating the better of two default runs in 6 of
-    8), where the two default runs, before and after, agreed within 0.2 % at C=32; 0.1 ms was
-    no better than the default (docs/throughput.md, session 9). Metal and the CPU were not
-    measured, so they keep Python's."""
+    still checks every chunk, so the larger chunk and cap are admitted only where they fit."""
     from engine.loader import backend_name
 
     if backend_name() == "cuda":
-        return BackendDefaults(prefill_step_size=2048, max_concurrency=64, gil_switch_interval_ms=0.5)
+        return BackendDefaults(prefill_step_size=2048, max_concurrency=64)
     return BackendDefaults(prefill_step_size=512, max_concurrency=32)
 
 
@@ -81,11 +74,11 @@ class Settings(BaseSettings):
     fuse_projections: bool = Field(
         True, description="one matmul for q/k/v and one for gate/up per layer, fused at load (engine.fusion)"
     )
-    gil_switch_interval_ms: float | None = Field(
-        default_factory=lambda: backend_defaults().gil_switch_interval_ms, gt=0, le=100,
-        description="Python's thread switch interval (sys.setswitchinterval), in ms (default: 0.5 on "
-        "CUDA, Python's 5 elsewhere). The engine thread and the HTTP thread share one GIL; a thread "
-        "waiting for it waits up to this long before the holder is made to let go",
+    gil_switch_interval_ms: float = Field(
+        1.0, gt=0, le=100,
+        description="Python's thread switch interval while the engine runs (sys.setswitchinterval), "
+        "in ms: the engine thread and the HTTP thread share one GIL, and a thread waiting for it "
+        "waits up to this long before the holder is made to let go",
     )
     default_max_tokens: int = Field(512, ge=1)
     max_tokens_cap: int = Field(32768, ge=1)
