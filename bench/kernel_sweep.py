@@ -206,8 +206,14 @@ SOURCES: dict[str, tuple[str, Callable[[], str], Callable[[mx.Dtype, int], bool]
 def _use_source(kind: str) -> None:
     """Swap the kernel the engine's `paged_decode` launches (a new name: MLX caches by it)."""
     name, build, _ = SOURCES[kind]
-    kernel = cuda_decode.build_kernel(name, build())
-    cuda_decode._get_kernel = lambda: kernel
+    built: list[object] = []
+
+    def get_kernel() -> object:  # built on first use, as the engine's own (none on the CPU)
+        if not built:
+            built.append(cuda_decode.build_kernel(name, build()))
+        return built[0]
+
+    cuda_decode._get_kernel = get_kernel
 
 
 # name, partition sizes, target blocks, tokens per warp step (scalar, vector), kernel source

@@ -207,6 +207,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ours-arg", action="append", default=[], help="extra flag for our server")
     p.add_argument("--ours-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for our server, e.g. MLX_HEADROOM_MEMORY_WAIT_TIMEOUT_S=5")
+    p.add_argument("--ours-kernel-variant", help="serve ours with this bench.kernel_sweep variant of the "
+                   "paged decode kernel (bench.serve_variant)")
     p.add_argument("--mlx-lm-arg", action="append", default=[], help="extra flag for mlx_lm.server")
     for f in dataclasses.fields(Sizes):
         kind = float if f.type == "float" else int
@@ -288,6 +290,7 @@ async def main_async(args: argparse.Namespace) -> Path:
         "settings": {"sizes": dataclasses.asdict(sizes), "scenarios": selected, "servers": servers,
                      "env": env, "pressure_ceiling_bytes": ceiling or None,
                      "ours_args": args.ours_arg, "ours_env": args.ours_env,
+                     "ours_kernel_variant": args.ours_kernel_variant,
                      "mlx_lm_args": args.mlx_lm_arg},
     })
     print(f"[bench] results: {run.path}", file=sys.stderr, flush=True)
@@ -321,8 +324,10 @@ def _has_gpu() -> bool:
     return subprocess.run(["sh", "-c", "command -v nvidia-smi"], capture_output=True).returncode == 0
 
 
-def _ours(log_dir: Path, env: dict[str, str], model: str, dtype: str, extra: list[str]) -> Server:
-    args = ["server.cli", "serve", "--load-format", "dummy", "--model", model, "--dtype", dtype,
+def _ours(log_dir: Path, env: dict[str, str], model: str, dtype: str, extra: list[str],
+          kernel_variant: str | None = None) -> Server:
+    launcher = ["server.cli"] if kernel_variant is None else ["bench.serve_variant", kernel_variant]
+    args = [*launcher, "serve", "--load-format", "dummy", "--model", model, "--dtype", dtype,
             "--served-model-name", OURS_NAME, "--api-key", API_KEY, "--log-level", "warning", *extra]
     return Server("ours", args, log_dir, env=env, api_key=API_KEY)
 
@@ -341,7 +346,7 @@ async def _run_ours(run: Run, selected: list[str], sizes: Sizes, model: str, dty
                     log_dir: Path, mode: Mode, args: argparse.Namespace, ceiling: int | None) -> None:
     main_scenarios = [s for s in selected if s in ("throughput", "guard", "prefix")]
     if main_scenarios:
-        server = _ours(log_dir, env, model, dtype, args.ours_arg)
+        server = _ours(log_dir, env, model, dtype, args.ours_arg, args.ours_kernel_variant)
 
         async def body() -> None:
             run.record("warmup", "ours", await scenarios.warmup(server, OURS_NAME, sizes.concurrency))
@@ -359,7 +364,7 @@ async def _run_ours(run: Run, selected: list[str], sizes: Sizes, model: str, dty
         if ceiling:
             extra += ["--memory-probe", "allocator", "--memory-tier", "custom",
                       "--memory-ceiling-bytes", str(ceiling)]
-        server = _ours(log_dir, env, model, dtype, extra)
+        server = _ours(log_dir, env, model, dtype, extra, args.ours_kernel_variant)
 
         async def pressure() -> None:
             await scenarios.warmup(server, OURS_NAME)
