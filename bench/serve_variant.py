@@ -6,8 +6,8 @@ A/B of a kernel before it moves into the engine.
 
 The variant replaces the kernel the engine's `paged_decode` launches in this process
 (`kernel_sweep.use_variant`) before the server starts; everything else is `mlx-headroom
-serve`. Session 9 found the `vector` variant 5-25 % faster than the engine's kernel alone at
-batch 32 (interleaved, four pairs), and the whole decode step could not separate it from
+serve`. Session 9 found the `vector` variant 5-19 % faster than the engine's kernel alone at
+batch 32 (interleaved, three pairs), and the whole decode step could not separate it from
 noise, so the server's own throughput is the next measurement.
 """
 
