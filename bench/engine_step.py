@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import re
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -132,13 +134,22 @@ def graph_census(model, store: KVStore, decode: Runner) -> collections.Counter[s
 
 def engine_steps(model, batch: int, context: int, steps: int, temperature: float,
                  segments: int = 1, split: dict | None = None, compile_decode: bool = False,
-                 server_segment: bool = False, profile: bool = False) -> float:
+                 server_segment: bool = False, profile: bool = False, host_work_ms: float = 0.0,
+                 side_burst_ms: float = 0.0, side_period_ms: float = 0.0) -> float:
     """The runner's decode step; rows spread over `segments` KV segments (the server adds
     one per ~segment of reserved tokens). `split` receives the step's time split.
     `compile_decode` replays the step from a traced graph, as the server does on CUDA;
     `server_segment` sizes the one segment as the server would (16 GiB on an H200) rather
     than to the rows, so that a step which copied its pool instead of writing in place
-    would show. `profile` marks the timed steps for a CUDA profiler (`bench.cuda_profiler`)."""
+    would show. `profile` marks the timed steps for a CUDA profiler (`bench.cuda_profiler`).
+
+    The server's step has more host work than this loop (the scheduler, emitting tokens:
+    3.5-4.3 ms against 1.2-1.9 ms at batch 32 on the H200), and an event loop beside it
+    that takes the GIL. `host_work_ms` adds that much pure-Python work to each step, after
+    the runner's; `side_burst_ms` runs a second thread that holds the GIL for that long
+    every `side_period_ms`. If the step grows by the work added, the host chain paces the
+    step; if not, the pipelining hides it (docs/throughput.md, session 9: the device is
+    74-88 % busy in the server against 100 % here)."""
     one = prefilled_caches(model, context - 1)
     g = geometry_from_model(model)
     per_row = context + steps + 32
@@ -169,10 +180,12 @@ def engine_steps(model, batch: int, context: int, steps: int, temperature: float
     wait0, queue0 = decode.decode_wait_s, decode.queue_s
     replays0 = 0 if compiled is None else compiled.replays
     start = time.perf_counter()
-    with GpuBusy() as gpu, profiled(profile):
+    with GpuBusy() as gpu, profiled(profile), gil_holder(side_burst_ms, side_period_ms):
         for _ in range(steps):
             for item in decode.step():
                 item.seq.generated += 1
+            if host_work_ms:
+                spin(host_work_ms)
         if profile:
             decode.settle()
     per_step = (time.perf_counter() - start) / steps
@@ -185,6 +198,36 @@ def engine_steps(model, batch: int, context: int, steps: int, temperature: float
                      replayed=None if compiled is None else compiled.replays - replays0,
                      segment_gib=round(sum(seg.nbytes for seg in store.segments.values()) / 2**30, 2))
     return per_step
+
+
+def spin(ms: float) -> None:
+    """Pure-Python work for `ms` milliseconds: it holds the GIL, as the engine's own host
+    work does (a sleep would release it)."""
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        pass
+
+
+@contextlib.contextmanager
+def gil_holder(burst_ms: float, period_ms: float) -> Iterator[None]:
+    """A thread that spins for `burst_ms` every `period_ms` while the block runs: the event
+    loop's share of the GIL when it streams (12 % of a core at C=32 on the H200)."""
+    if burst_ms <= 0 or period_ms <= 0:
+        yield
+        return
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(max(period_ms - burst_ms, 0.0) / 1e3):
+            spin(burst_ms)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 SUMMED = ("bare_ms", "ms", "wait_ms", "queue_ms", "host_ms", "ops", "bare_ops", "gpu_busy_pct",
@@ -211,6 +254,11 @@ def main() -> None:
                    "paged kernel (CUDA), e.g. group16")
     p.add_argument("--profile", action="store_true",
                    help="mark the timed engine steps for ncu/nsys --profile-from-start off")
+    p.add_argument("--host-work-ms", type=float, default=0.0,
+                   help="pure-Python work added to each timed step (the server's scheduler and emits)")
+    p.add_argument("--side-burst-ms", type=float, default=0.0,
+                   help="a second thread holds the GIL this long every --side-period-ms (the event loop)")
+    p.add_argument("--side-period-ms", type=float, default=0.0)
     p.add_argument("--split-only", action="store_true",
                    help="only the greedy engine step per segment count, with its time split")
     args = p.parse_args()
@@ -243,11 +291,13 @@ def main() -> None:
                 split: dict = {}
                 engine_steps(model, b, args.context, args.steps, 0.0, segments=n, split=split,
                              compile_decode=compile_decode, server_segment=args.server_segment,
-                             profile=args.profile)
+                             profile=args.profile, host_work_ms=args.host_work_ms,
+                             side_burst_ms=args.side_burst_ms, side_period_ms=args.side_period_ms)
                 census = split.pop("census")
                 line = {"batch": b, "context": args.context, "merge": args.merge, "fused": args.fuse,
                         "kernel_variant": args.kernel_variant or "engine",
-                        "compiled": compile_decode,
+                        "compiled": compile_decode, "host_work_ms": args.host_work_ms,
+                        "side_burst_ms": args.side_burst_ms, "side_period_ms": args.side_period_ms,
                         "bare_ms": round(bare * 1e3, 2), "bare_ops": sum(bare_census.values()), **bare_busy,
                         **split,
                         "ops_over_bare": census_difference(census, bare_census)}
