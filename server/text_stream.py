@@ -25,10 +25,17 @@ class ChoiceText:
         self._stops = stops
         self._holdback = max((len(s) for s in stops), default=1) - 1
         self._pending = ""
-        self.text = ""  # everything released so far
+        self._released: list[str] = []  # everything released so far, joined on read: a
+        # `+=` per token would copy the whole text each time, on the event loop's thread
         self.completion_tokens = 0
         self.stopped = False
         self.matched_stop: str | None = None  # which stop string ended the text, if one did
+
+    @property
+    def text(self) -> str:
+        if len(self._released) > 1:
+            self._released[:] = ["".join(self._released)]
+        return self._released[0] if self._released else ""
 
     def add(self, tokens: tuple[int, ...], logprobs: tuple[TokenLogprob, ...] = ()) -> TextDelta:
         if self.stopped:
@@ -53,11 +60,11 @@ class ChoiceText:
                 cut, self.matched_stop = min(found, key=lambda f: f[0])
                 out = self._pending[:cut]
                 self._pending = ""
-                self.text += out
+                self._released.append(out)
                 self.stopped = True
                 return TextDelta(out, logprobs, stopped=True)
         keep = 0 if final else self._holdback
         split = max(len(self._pending) - keep, 0)
         out, self._pending = self._pending[:split], self._pending[split:]
-        self.text += out
+        self._released.append(out)
         return TextDelta(out, logprobs)
