@@ -144,7 +144,7 @@ def engine_steps(model, batch: int, context: int, steps: int, temperature: float
     would show. `profile` marks the timed steps for a CUDA profiler (`bench.cuda_profiler`).
 
     The server's step has more host work than this loop (the scheduler, emitting tokens:
-    3.5-4.3 ms against 1.2-1.9 ms at batch 32 on the H200), and an event loop beside it
+    3.5-4.3 ms against 1.2-1.7 ms at batch 32 on the H200), and an event loop beside it
     that takes the GIL. `host_work_ms` adds that much pure-Python work to each step, after
     the runner's; `side_burst_ms` runs a second thread that holds the GIL for that long
     every `side_period_ms`. If the step grows by the work added, the host chain paces the

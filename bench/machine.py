@@ -80,9 +80,9 @@ def machine_info() -> dict[str, Any]:
 def source_digest() -> str:
     """A hash of the code that ran (every .py file of the packages and the bench, by path and
     content). The git commit alone can mislead: a copied working tree may carry a stale
-    `.git` (the device machines keep one between calls), so a result's commit named the
-    last synced HEAD, not the code. `python -c 'from bench.machine import source_digest;
-    print(source_digest())'` on a checkout says whether it is the code a result came from."""
+    `.git`, and in session 9 every device run reported 0893695, also for code committed
+    after it. `python -c 'from bench.machine import source_digest; print(source_digest())'`
+    on a checkout says whether it is the code a result came from."""
     digest = hashlib.sha256()
     for package in ("engine", "memory", "server", "bench"):
         for path in sorted((ROOT / package).rglob("*.py")):
