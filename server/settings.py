@@ -16,6 +16,7 @@ GiB = 1 << 30
 class BackendDefaults:
     prefill_step_size: int
     max_concurrency: int
+    step_chunks: int = 1  # the step's token budget, in chunks, unless max_step_tokens is set
 
 
 def backend_defaults() -> BackendDefaults:
@@ -23,11 +24,16 @@ def backend_defaults() -> BackendDefaults:
     machine, so a chunk's activations stay small (512 tokens, as before). On CUDA the H200
     ran 1k-token prompts at C=32 at 864 tok/s with 512 against 1,640-1,880 with 2048
     (docs/throughput.md, session 4), and a card's memory is the server's alone; the guard
-    still checks every chunk, so the larger chunk and cap are admitted only where they fit."""
+    still checks every chunk, so the larger chunk and cap are admitted only where they fit.
+
+    The step budget on CUDA is four chunks: in two runs each on the H200 (session 10), 8,192
+    tokens per step raised C=64 by 15 % (3,006-3,226 tok/s against 2,491-2,888 with one
+    chunk) and left C=32 within the one-chunk runs' spread. On the CPU four chunks did
+    not help (docs/throughput.md)."""
     from engine.loader import backend_name
 
     if backend_name() == "cuda":
-        return BackendDefaults(prefill_step_size=2048, max_concurrency=64)
+        return BackendDefaults(prefill_step_size=2048, max_concurrency=64, step_chunks=4)
     return BackendDefaults(prefill_step_size=512, max_concurrency=32)
 
 
@@ -61,9 +67,12 @@ class Settings(BaseSettings):
         description="prompt tokens per prefill chunk (default: 2048 on CUDA, 512 elsewhere)",
     )
     min_prefill_chunk: int = Field(32, ge=1)
-    # throughput (issue 17): tokens per engine step, decode rows included (None: prefill_step_size),
-    # and the most prompts' chunks one prefill model call takes
-    max_step_tokens: int | None = Field(None, ge=16)
+    # throughput (issue 17): tokens per engine step, decode rows included, and the most
+    # prompts' chunks one prefill model call takes
+    max_step_tokens: int | None = Field(
+        None, ge=16, description="tokens per engine step, decode rows included "
+        "(default: 4 x prefill_step_size on CUDA, 1 x elsewhere)",
+    )
     prefill_batch: int = Field(8, ge=1)
     compile_decode: bool | None = Field(
         None, description="replay decode steps from traced graphs, mx.compile (None: on CUDA only)"
@@ -191,6 +200,12 @@ class Settings(BaseSettings):
                 pairs[name.strip()] = served.strip()
             return pairs
         return value
+
+    @model_validator(mode="after")
+    def _step_budget_from_the_backend(self) -> Settings:
+        if self.max_step_tokens is None:
+            self.max_step_tokens = backend_defaults().step_chunks * self.prefill_step_size
+        return self
 
     @model_validator(mode="after")
     def _aliases_name_the_served_model(self) -> Settings:

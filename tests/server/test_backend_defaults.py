@@ -11,15 +11,16 @@ from server.model_fit import engine_params
 from server.settings import Settings
 
 
-@pytest.mark.parametrize(("backend", "chunk", "cap"),
-                         [("cuda", 2048, 64), ("metal", 512, 32), ("cpu", 512, 32)])
+@pytest.mark.parametrize(("backend", "chunk", "cap", "step"),
+                         [("cuda", 2048, 64, 8192), ("metal", 512, 32, 512), ("cpu", 512, 32, 512)])
 def test_defaults_follow_the_backend(monkeypatch: pytest.MonkeyPatch, backend: str, chunk: int,
-                                     cap: int) -> None:
+                                     cap: int, step: int) -> None:
     monkeypatch.setattr("engine.loader.backend_name", lambda: backend)
     settings = Settings()
-    assert (settings.prefill_step_size, settings.max_concurrency) == (chunk, cap)
+    resolved = (settings.prefill_step_size, settings.max_concurrency, settings.max_step_tokens)
+    assert resolved == (chunk, cap, step)
     config = engine_config(settings)
-    assert (config.prefill_step_size, config.max_concurrency) == (chunk, cap)
+    assert (config.prefill_step_size, config.max_concurrency, config.max_step_tokens) == (chunk, cap, step)
     params = engine_params(settings, backend, kv_bytes_per_token=4096, device_bytes=141 << 30)
     assert params.chunk_tokens == chunk
 
@@ -29,3 +30,12 @@ def test_an_explicit_setting_beats_the_backend_default(monkeypatch: pytest.Monke
     monkeypatch.setenv("MLX_HEADROOM_MAX_CONCURRENCY", "8")
     settings = Settings(prefill_step_size=512)
     assert (settings.prefill_step_size, settings.max_concurrency) == (512, 8)
+
+
+def test_the_step_budget_follows_an_explicit_chunk_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four chunks per step on CUDA, whatever the chunk; an explicit budget stands."""
+    monkeypatch.setattr("engine.loader.backend_name", lambda: "cuda")
+    assert Settings(prefill_step_size=512).max_step_tokens == 2048
+    assert Settings(prefill_step_size=512, max_step_tokens=600).max_step_tokens == 600
+    monkeypatch.setattr("engine.loader.backend_name", lambda: "cpu")
+    assert Settings(prefill_step_size=256).max_step_tokens == 256
