@@ -22,6 +22,12 @@ and each (token, query head) costs a 3-step reduction among 8 lanes, not 5 among
 3 shuffles per token at GQA 4 instead of 20. The four lane groups are merged at the end
 (online-softmax state, two shuffle rounds), then the warps as before; the outputs and the
 merge kernel are unchanged. They need D/8 elements to fill whole 16-byte loads.
+
+The `pmerge*` variants are session 11's hypothesis, not yet run on a GPU: at batch 1 the
+kernel is latency-bound with one block per SM, and finer partitions lost in session 10
+because the merge loops over them in one thread per output (`bench.kernel_merge` spreads
+that loop over lanes). `pmerge` keeps the engine's partitions, `pmerge_fine` takes 16
+tokens (552 blocks at batch 1 and 1,100 tokens), `pmerge_fine528` 32 (280 blocks, one wave).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from bench import kernel_merge
 from bench.kv_store import attention_only, kernel_vs_plain, ragged
 from engine.kv import cuda_decode
 
@@ -216,29 +223,40 @@ def _use_source(kind: str) -> None:
     cuda_decode._get_kernel = get_kernel
 
 
-# name, partition sizes, target blocks, tokens per warp step (scalar, vector), kernel source
-VARIANTS = [("current", BASE, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, "scalar"),
-            ("vector", BASE, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, "vector"),
-            ("group", BASE, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, "group"),
-            ("group_target4k", BASE, 4224, 4, "group"), ("group_fine_target4k", FINE, 4224, 4, "group"),
-            ("group16", BASE, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, "group16"),
-            ("group16_target4k", BASE, 4224, 4, "group16"),
-            ("vector_unroll8", BASE, 1056, 8, "vector"), ("vector_unroll16", BASE, 1056, 16, "vector"),
-            ("vector_target4k", BASE, 4224, 4, "vector"), ("vector_fine_target4k", FINE, 4224, 4, "vector"),
-            ("target4k", BASE, 4224, 4, "scalar"), ("unroll8", BASE, 1056, 8, "scalar")]
+# name, partition sizes, target blocks, tokens per warp step, kernel source, merge
+VARIANTS = [("current", BASE, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, "scalar", "serial"),
+            ("vector", BASE, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, "vector", "serial"),
+            ("group", BASE, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, "group", "serial"),
+            ("group_target4k", BASE, 4224, 4, "group", "serial"),
+            ("group_fine_target4k", FINE, 4224, 4, "group", "serial"),
+            ("group16", BASE, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, "group16", "serial"),
+            ("group16_target4k", BASE, 4224, 4, "group16", "serial"),
+            ("vector_unroll8", BASE, 1056, 8, "vector", "serial"),
+            ("vector_unroll16", BASE, 1056, 16, "vector", "serial"),
+            ("vector_target4k", BASE, 4224, 4, "vector", "serial"),
+            ("vector_fine_target4k", FINE, 4224, 4, "vector", "serial"),
+            ("target4k", BASE, 4224, 4, "scalar", "serial"), ("unroll8", BASE, 1056, 8, "scalar", "serial"),
+            # Session 11's: the partitions' merge spread over lanes (bench.kernel_merge), with the
+            # engine's partitions, then with finer ones at batch 1 (16 or 32 tokens at 1,100).
+            ("pmerge", BASE, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, "scalar", "lanes"),
+            ("pmerge_fine", FINE, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, "scalar", "lanes"),
+            ("pmerge_fine528", FINE, 528, cuda_decode.UNROLL, "scalar", "lanes")]
+MERGES: dict[str, Callable[..., mx.array]] = {"serial": cuda_decode.merge_partitions,
+                                             "lanes": kernel_merge.merge_partitions}
 
 
 def use_variant(name: str, dtype: mx.Dtype | None = None, head_dim: int | None = None) -> str:
     """Make the engine's `paged_decode` launch variant `name` (its launch settings and its
     source) from now on, in this process; returns the variant's source kind. With `dtype`
     and `head_dim`, refuses a variant that cannot take that shape."""
-    for v_name, parts, target, unroll, kind in VARIANTS:
+    for v_name, parts, target, unroll, kind, merge in VARIANTS:
         if v_name != name:
             continue
         if dtype is not None and head_dim is not None and not SOURCES[kind][2](dtype, head_dim):
             raise ValueError(f"kernel variant {name} cannot take {dtype} at head_dim {head_dim}")
         cuda_decode.PARTITIONS, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL = parts, target, unroll
         cuda_decode._launch.cache_clear()
+        cuda_decode.merge_partitions = MERGES[merge]
         _use_source(kind)
         return kind
     raise ValueError(f"no kernel variant {name!r}; there are {[v[0] for v in VARIANTS]}")

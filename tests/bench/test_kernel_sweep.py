@@ -35,10 +35,11 @@ def test_the_group_variant_keeps_the_engine_kernels_set_up_and_writes(lanes: int
 def test_a_variant_that_cannot_take_the_models_shape_is_refused_before_anything_changes() -> None:
     import mlx.core as mx
 
-    before = (cuda_decode.PARTITIONS, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, cuda_decode._get_kernel)
+    before = (cuda_decode.PARTITIONS, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, cuda_decode._get_kernel,
+              cuda_decode.merge_partitions)
     with pytest.raises(ValueError, match="cannot take"):
         kernel_sweep.use_variant("group16", mx.float32, 32)  # 2 elements per lane: no 16-byte load
     with pytest.raises(ValueError, match="no kernel variant"):
         kernel_sweep.use_variant("nosuch")
     assert (cuda_decode.PARTITIONS, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL,
-            cuda_decode._get_kernel) == before
+            cuda_decode._get_kernel, cuda_decode.merge_partitions) == before
