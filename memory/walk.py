@@ -10,7 +10,10 @@ token more) for one request at a time, on an idle server with an empty prefix ca
   fits with its first full-size chunk, else in a segment sized exactly to it;
 - every prefill chunk is predicted by :func:`~memory.estimate.estimate_prefill` times the
   tracker's margin (joining the batch copies nothing);
-- each engine step runs at most ``chunk_tokens`` prompt tokens, in one chunk or several;
+- each engine step runs at most ``step_tokens`` prompt tokens (one chunk unless set;
+  four chunks on CUDA), in chunks of at most ``chunk_tokens``, each its own model call;
+  a chunk is cut to what is left of the step's budget, except that a prompt is finished
+  rather than left fewer than ``min_chunk_tokens`` for a step of their own;
 - a chunk that does not fit is halved down to the floor before the request is refused,
   and a request whose full-size first chunk does not fit is still admitted when a
   floor-sized one does.
@@ -33,6 +36,7 @@ class EngineParams:
 
     chunk_tokens: int = 512
     min_chunk_tokens: int = 32
+    step_tokens: int | None = None  # the engine's token budget per step (None: one chunk)
     backend: str = "cpu"
     margin: float = DEFAULT_MARGIN
     kv_block_tokens: int = 16
@@ -134,9 +138,13 @@ def walk_single_request(
     kv = max(segment, reserved)  # committed = what the reservation has beyond its segment
     held = usage_bytes + kv
     peak, peak_tokens = need, first
-    processed, budget = 0, params.chunk_tokens  # prompt tokens per engine step
+    step = max(params.step_tokens or params.chunk_tokens, params.min_chunk_tokens)
+    processed, budget = 0, step  # prompt tokens left in this engine step
     while processed < remaining:
-        tokens = min(params.chunk_tokens, remaining - processed, budget)
+        left = remaining - processed
+        # the engine finishes a prompt rather than leave it fewer than the floor's tokens
+        allow = left if 0 < left - budget < params.min_chunk_tokens else budget
+        tokens = min(params.chunk_tokens, left, allow)
         while True:
             need = held + chunk_bytes(g, tokens, processed, params)
             if need <= hard:
@@ -147,5 +155,5 @@ def walk_single_request(
         if need > peak:
             peak, peak_tokens = need, tokens
         processed += tokens
-        budget = budget - tokens if budget > tokens else params.chunk_tokens
+        budget = budget - tokens if budget > tokens else step
     return RequestWalk(True, reserved, kv, peak, peak_tokens)

@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefill-step-size", type=int)
     serve.add_argument("--max-step-tokens", type=int,
                        help="tokens per engine step, one per decoding row plus prefill chunks "
-                       "(default: the prefill step size)")
+                       "(default: four prefill steps on CUDA, one elsewhere)")
     serve.add_argument("--prefill-batch", type=int,
                        help="most prompts' chunks one prefill model call takes (default 8; 1: one each)")
     serve.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,

@@ -27,7 +27,7 @@ from memory.fit import wired_limit_advice
 from server.settings import Settings
 
 _SETTING_FLAGS = ("load_format", "dtype", "memory_tier", "memory_ceiling_bytes", "memory_probe",
-                  "reserve_context_tokens", "prefill_step_size")
+                  "reserve_context_tokens", "prefill_step_size", "max_step_tokens")
 
 
 def add_doctor_parser(sub: Any) -> None:
@@ -40,6 +40,7 @@ def add_doctor_parser(sub: Any) -> None:
     doctor.add_argument("--memory-probe", choices=["auto", "macos", "linux", "cuda", "allocator"])
     doctor.add_argument("--reserve-context-tokens", type=int)
     doctor.add_argument("--prefill-step-size", type=int)
+    doctor.add_argument("--max-step-tokens", type=int, help="as for serve: the step's token budget")
     doctor.add_argument("--max-tokens", type=int,
                         help="output tokens per request in the fit (default: the server's default)")
     doctor.add_argument("--json", action="store_true", help="print one JSON object")
@@ -108,7 +109,8 @@ def collect(settings: Settings, *, model: str | None, max_tokens: int | None) ->
         "backend": _backend(),
         "settings": {k: getattr(settings, k) for k in (
             "memory_probe", "memory_tier", "memory_ceiling_bytes", "reserve_context_tokens",
-            "prefill_step_size", "min_prefill_chunk", "default_max_tokens", "memory_guard")},
+            "prefill_step_size", "max_step_tokens", "min_prefill_chunk", "default_max_tokens",
+            "memory_guard")},
     }
 
     probes: dict[str, Any] = {}

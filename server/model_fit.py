@@ -60,6 +60,7 @@ def engine_params(
     return EngineParams(
         chunk_tokens=settings.prefill_step_size,
         min_chunk_tokens=settings.min_prefill_chunk,
+        step_tokens=settings.max_step_tokens,
         backend=backend,
         kv_block_tokens=config.kv_block_size,
         kv_segment_tokens=segment,

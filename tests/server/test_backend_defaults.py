@@ -1,6 +1,7 @@
 """The engine's chunk size and concurrency cap default per MLX backend (`server.settings.
 backend_defaults`), and every consumer reads the same resolved values: the engine's config
-and load admission's mirror of it (`server.model_fit.engine_params`)."""
+and load admission's mirror of it (`server.model_fit.engine_params`), the step's token
+budget included."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def test_defaults_follow_the_backend(monkeypatch: pytest.MonkeyPatch, backend: s
     config = engine_config(settings)
     assert (config.prefill_step_size, config.max_concurrency, config.max_step_tokens) == (chunk, cap, step)
     params = engine_params(settings, backend, kv_bytes_per_token=4096, device_bytes=141 << 30)
-    assert params.chunk_tokens == chunk
+    assert (params.chunk_tokens, params.step_tokens) == (chunk, step)
 
 
 def test_an_explicit_setting_beats_the_backend_default(monkeypatch: pytest.MonkeyPatch) -> None:

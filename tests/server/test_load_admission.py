@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.conftest import MODEL, ROOT, ServerProcess, free_port
 
@@ -108,10 +109,15 @@ def test_doctor_reports_this_machine_and_serve_agrees_on_its_ceiling(
     assert "longest prompt at concurrency 1" in text.stdout and "binds" in text.stdout
 
 
+@pytest.mark.parametrize("budget", [[], ["--max-step-tokens", "2048"]], ids=["one-chunk", "four-chunks"])
 def test_doctor_longest_prompt_is_what_admission_admits(
-    tiny_model_path: Path, tmp_path: Path
+    tiny_model_path: Path, tmp_path: Path, budget: list[str]
 ) -> None:
-    flags = [*simulated(12_000_000), "--reserve-context-tokens", "256"]
+    """The mirror holds whether a step runs one 512-token chunk or four (CUDA's default).
+    Under this ceiling chunks are halved, and where a step's budget cuts them depends on
+    the budget: with four chunks the engine admitted one token more than a one-chunk
+    mirror computed."""
+    flags = [*simulated(12_000_000), "--reserve-context-tokens", "256", *budget]
     rc, report = doctor("--model", str(tiny_model_path), "--max-tokens", "4", *flags)
     assert rc == 0, report
     longest = report["model"]["fit"]["max_prompt_tokens"]
