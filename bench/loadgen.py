@@ -153,7 +153,8 @@ def steady_gaps(results: list[RequestResult], concurrency: int) -> tuple[list[fl
     return gaps, sum(gaps) / max(concurrency, 1)
 
 
-def _percentile(values: list[float], q: float) -> float | None:
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (inclusive method), or None for no values."""
     if not values:
         return None
     if len(values) == 1:
@@ -184,7 +185,7 @@ class LoadReport:
         ms = 1000.0
 
         def pct(values: list[float], q: float) -> float | None:
-            p = _percentile(values, q)
+            p = percentile(values, q)
             return None if p is None else round(p * ms, 2)
 
         return {

@@ -18,7 +18,6 @@ import json
 import os
 import random
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,8 @@ from typing import Any
 
 import httpx
 import psutil
+
+from bench.loadgen import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "mlx-headroom/tiny-chat"
@@ -147,14 +148,6 @@ def wait_idle(url: str, timeout: float = 30.0) -> dict[str, Any]:
         if idle or time.monotonic() > deadline:
             return memory
         time.sleep(0.2)
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
 def soak(*, duration: float, concurrency: int, model: str, seed: int, rss_growth_mib: float,
