@@ -13,8 +13,8 @@ here, so `Shape` is a stand-in with the same indexing.
 
 For each kernel, dtype and unroll it prints ptxas's registers and spills for sm_90, and it
 counts the PTX's global loads, shuffles and exponentials. Session 8 used these figures to
-read the paged kernel's sweep (`bench.kernel_sweep`, docs/throughput.md). It exits 1 if
-any source fails to compile.
+read the paged kernel's sweep (`bench.kernel_sweep`, docs/throughput.md). It also compiles
+`bench.kernel_merge`'s lanes merge, and exits 1 if any source fails to compile.
 """
 
 from __future__ import annotations
@@ -75,12 +75,15 @@ def paged_kernel_source(source: str, dtype: str, *, head_dim: int = 128, kv_head
     return PRELUDE + cuda_decode._HEADER + signature + body + source + "\n}\n"
 
 
-def merge_kernel_source(dtype: str, head_dim: int = 128) -> str:
+def merge_kernel_source(dtype: str, head_dim: int = 128, source: str = cuda_decode._MERGE_SOURCE,
+                        **constants: int) -> str:
+    """A partitions' merge (the engine's, or `source` with its `constants`, such as
+    `bench.kernel_merge`'s LANES) wrapped as MLX wraps it."""
     t = CUDA_TYPES[dtype]
     signature = ("__global__ void merge(const float* part_out, const float* m, "
                  f"const __grid_constant__ Shape m_shape, const float* l, {t}* y) {{\n")
-    return (PRELUDE + cuda_decode._HEADER + signature + f"  using T = {t};\n  constexpr int D = {head_dim};\n"
-            + cuda_decode._MERGE_SOURCE + "\n}\n")
+    consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in {"D": head_dim, **constants}.items())
+    return PRELUDE + cuda_decode._HEADER + signature + f"  using T = {t};\n" + consts + source + "\n}\n"
 
 
 class Nvrtc:
@@ -128,7 +131,7 @@ def main() -> int:
         print("needs the nvidia-cuda-nvrtc-cu12 and nvidia-cuda-runtime-cu12 wheels: "
               "pip install -e '.[kernels]'")
         return 2
-    from bench import kernel_sweep
+    from bench import kernel_merge, kernel_sweep
 
     nvrtc = Nvrtc(*paths)
     failed = 0
@@ -136,6 +139,12 @@ def main() -> int:
         result = nvrtc.compile(merge_kernel_source(dtype))
         failed += not result.ok
         print(f"merge {dtype}: ok={result.ok} registers={result.registers}")
+        for lanes in (1, kernel_merge.MAX_LANES):
+            result = nvrtc.compile(merge_kernel_source(dtype, source=kernel_merge._SOURCE, LANES=lanes))
+            failed += not result.ok
+            print(f"lanes merge {dtype} LANES={lanes}: ok={result.ok} registers={result.registers}")
+            if not result.ok:
+                print(result.log)
     cases = (("bfloat16", 1), ("bfloat16", 4), ("bfloat16", 8), ("float16", 4), ("float32", 4))
     for kind, (_, build, _fits) in kernel_sweep.SOURCES.items():
         for dtype, unroll in cases:

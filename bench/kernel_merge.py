@@ -1,5 +1,6 @@
 """A merge of the paged kernel's partitions spread over a block's threads (CUDA only; a
-`bench.kernel_sweep` variant until it is measured).
+`bench.kernel_sweep` variant until it is measured; `bench.kernel_compile` compiles it
+without a GPU).
 
 The engine's merge (`engine.kv.cuda_decode._MERGE_SOURCE`) gives each output element one
 thread that loops over every partition, twice (the maximum, then the weighted sums). At

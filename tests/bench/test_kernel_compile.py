@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import kernel_sweep
+from bench import kernel_merge, kernel_sweep
 from bench.kernel_compile import CUDA_TYPES, Nvrtc, merge_kernel_source, nvrtc_paths, paged_kernel_source
 from engine.kv import cuda_decode
 
@@ -30,6 +30,17 @@ def test_the_engine_paged_kernel_compiles_without_spills(nvrtc: Nvrtc, dtype: st
 @pytest.mark.parametrize("dtype", sorted(CUDA_TYPES))
 def test_the_engine_merge_kernel_compiles(nvrtc: Nvrtc, dtype: str) -> None:
     result = nvrtc.compile(merge_kernel_source(dtype))
+    assert result.ok, result.log
+
+
+@pytest.mark.parametrize("dtype", sorted(CUDA_TYPES))
+@pytest.mark.parametrize(("head_dim", "parts"), [(128, 1), (128, 69), (256, 69), (64, 5)])
+def test_the_lanes_merge_compiles_at_the_lanes_it_launches(nvrtc: Nvrtc, dtype: str, head_dim: int,
+                                                           parts: int) -> None:
+    """`bench.kernel_merge` is session 11's variant, never run on a GPU yet: at least it
+    compiles at each lane count its launch picks."""
+    lanes = kernel_merge.merge_lanes(parts, head_dim)
+    result = nvrtc.compile(merge_kernel_source(dtype, head_dim, kernel_merge._SOURCE, LANES=lanes))
     assert result.ok, result.log
 
 
