@@ -7,7 +7,7 @@ some invalid, and some that hang up mid-stream. Afterwards the engine must be em
 server's RSS must not have grown by more than a bound between the warm mark (20% of the
 run) and the end. Prints a JSON summary; exits 1 when a check fails.
 
-    .venv/bin/python bench/soak.py --duration 180
+    .venv/bin/python -m bench.soak --duration 180
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A short soak (bench/soak.py): mixed clients for a few seconds, then nothing may be left behind."""
+"""A short soak (`python -m bench.soak`): mixed clients for a few seconds, then nothing may be left behind."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tests.conftest import ROOT
 
 def test_short_soak_leaves_nothing_behind(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "bench/soak.py", "--duration", "12", "--concurrency", "6",
+        [sys.executable, "-m", "bench.soak", "--duration", "12", "--concurrency", "6",
          "--log", str(tmp_path / "server.log")],
         cwd=ROOT, capture_output=True, text=True, timeout=180,
     )
