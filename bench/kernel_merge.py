@@ -83,13 +83,7 @@ _kernel: list[Any] = []
 
 def _get_kernel() -> Any:
     if not _kernel:
-        _kernel.append(mx.fast.cuda_kernel(
-            name="headroom_paged_decode_merge_lanes",
-            input_names=["part_out", "m", "l"],
-            output_names=["y"],
-            source=_SOURCE,
-            header=cuda_decode._HEADER,
-        ))
+        _kernel.append(cuda_decode.build_merge_kernel("headroom_paged_decode_merge_lanes", _SOURCE))
     return _kernel[0]
 
 

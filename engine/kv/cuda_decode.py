@@ -196,16 +196,22 @@ def _get_kernel() -> Any:
     return _kernel
 
 
+def build_merge_kernel(name: str = "headroom_paged_decode_merge", source: str = _MERGE_SOURCE) -> Any:
+    """A partitions' merge from `source`, with the inputs and output `merge_partitions`
+    passes (`bench.kernel_merge` builds its variant here)."""
+    return mx.fast.cuda_kernel(
+        name=name,
+        input_names=["part_out", "m", "l"],
+        output_names=["y"],
+        source=source,
+        header=_HEADER,
+    )
+
+
 def _get_merge_kernel() -> Any:
     global _merge_kernel
     if _merge_kernel is None:
-        _merge_kernel = mx.fast.cuda_kernel(
-            name="headroom_paged_decode_merge",
-            input_names=["part_out", "m", "l"],
-            output_names=["y"],
-            source=_MERGE_SOURCE,
-            header=_HEADER,
-        )
+        _merge_kernel = build_merge_kernel()
     return _merge_kernel
 
 

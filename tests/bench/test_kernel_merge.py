@@ -54,3 +54,14 @@ def test_a_variant_swaps_the_merge_and_the_next_one_puts_the_engines_back(
     assert cuda_decode.merge_partitions is engine_merge
     assert cuda_decode.partition_split(1, 8, 1100) == (64, 18)
     cuda_decode._launch.cache_clear()
+
+
+def test_the_lanes_merge_is_built_under_its_own_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLX caches a compiled kernel by name: the engine's merge name would launch the
+    engine's merge."""
+    built: list[tuple[str, str]] = []
+    monkeypatch.setattr(kernel_merge, "_kernel", [])
+    monkeypatch.setattr(cuda_decode, "build_merge_kernel",
+                        lambda name, source: built.append((name, source)) or name)
+    assert kernel_merge._get_kernel() == kernel_merge._get_kernel() == "headroom_paged_decode_merge_lanes"
+    assert built == [("headroom_paged_decode_merge_lanes", kernel_merge._SOURCE)]
