@@ -27,7 +27,8 @@ The `pmerge*` variants are session 11's hypothesis, not yet run on a GPU: at bat
 kernel is latency-bound with one block per SM, and finer partitions lost in session 10
 because the merge loops over them in one thread per output (`bench.kernel_merge` spreads
 that loop over lanes). `pmerge` keeps the engine's partitions, `pmerge_fine` takes 16
-tokens (552 blocks at batch 1 and 1,100 tokens), `pmerge_fine528` 32 (280 blocks, one wave).
+tokens (552 blocks at batch 1 and 1,100 tokens), `pmerge_fine528` 32 (280 blocks, one wave);
+`pmerge_vec` and `pmerge_vec_fine` are `pmerge` and `pmerge_fine` with the `vector` loads.
 """
 
 from __future__ import annotations
@@ -240,7 +241,11 @@ VARIANTS = [("current", BASE, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, "sc
             # engine's partitions, then with finer ones at batch 1 (16 or 32 tokens at 1,100).
             ("pmerge", BASE, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, "scalar", "lanes"),
             ("pmerge_fine", FINE, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, "scalar", "lanes"),
-            ("pmerge_fine528", FINE, 528, cuda_decode.UNROLL, "scalar", "lanes")]
+            ("pmerge_fine528", FINE, 528, cuda_decode.UNROLL, "scalar", "lanes"),
+            # The same with one packed load per lane (the `vector` source): its loads were 73 %
+            # excess sectors under ncu at batch 1.
+            ("pmerge_vec", BASE, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, "vector", "lanes"),
+            ("pmerge_vec_fine", FINE, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, "vector", "lanes")]
 MERGES: dict[str, Callable[..., mx.array]] = {"serial": cuda_decode.merge_partitions,
                                              "lanes": kernel_merge.merge_partitions}
 
