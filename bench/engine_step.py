@@ -135,7 +135,7 @@ def graph_census(model, store: KVStore, decode: Runner) -> collections.Counter[s
 def engine_steps(model, batch: int, context: int, steps: int, temperature: float,
                  segments: int = 1, split: dict | None = None, compile_decode: bool = False,
                  server_segment: bool = False, profile: bool = False, host_work_ms: float = 0.0,
-                 side_burst_ms: float = 0.0, side_period_ms: float = 0.0) -> float:
+                 side_burst_ms: float = 0.0, side_period_ms: float = 0.0, slice_decode: bool = True) -> float:
     """The runner's decode step; rows spread over `segments` KV segments (the server adds
     one per ~segment of reserved tokens). `split` receives the step's time split.
     `compile_decode` replays the step from a traced graph, as the server does on CUDA;
@@ -164,7 +164,8 @@ def engine_steps(model, batch: int, context: int, steps: int, temperature: float
     compiled = None
     if compile_decode:
         compiled = CompiledDecode(model, store, model.args.num_attention_heads)
-    decode = Runner(model, store, overlap=mx.cuda.is_available(), compiled=compiled)
+    decode = Runner(model, store, overlap=mx.cuda.is_available(), compiled=compiled,
+                    slice_decode=slice_decode)
     params = SamplingParams(temperature=temperature)
     for i in range(batch):
         seq = Sequence(EngineRequest(f"r{i}", (1,) * context, steps + 8, params))
@@ -259,6 +260,10 @@ def main() -> None:
     p.add_argument("--side-burst-ms", type=float, default=0.0,
                    help="a second thread holds the GIL this long every --side-period-ms (the event loop)")
     p.add_argument("--side-period-ms", type=float, default=0.0)
+    p.add_argument("--slice-decode", action=argparse.BooleanOptionalAction, default=None,
+                   help="a lone row on consecutive blocks attended as one slice of the pool, "
+                   "stepped eagerly (engine.kv.attention.run_decode; default: as the engine, "
+                   "where decode is not compiled)")
     p.add_argument("--split-only", action="store_true",
                    help="only the greedy engine step per segment count, with its time split")
     args = p.parse_args()
@@ -275,6 +280,8 @@ def main() -> None:
         mx.eval(model.parameters())
         fuse_projections(model)
     compile_decode = on_cuda_by_default(args.compile_decode, backend_name())
+    if args.slice_decode is None:
+        args.slice_decode = not compile_decode
     if args.kernel_variant:
         from bench.kernel_sweep import use_variant
 
@@ -292,11 +299,13 @@ def main() -> None:
                 engine_steps(model, b, args.context, args.steps, 0.0, segments=n, split=split,
                              compile_decode=compile_decode, server_segment=args.server_segment,
                              profile=args.profile, host_work_ms=args.host_work_ms,
-                             side_burst_ms=args.side_burst_ms, side_period_ms=args.side_period_ms)
+                             side_burst_ms=args.side_burst_ms, side_period_ms=args.side_period_ms,
+                             slice_decode=args.slice_decode)
                 census = split.pop("census")
                 line = {"batch": b, "context": args.context, "merge": args.merge, "fused": args.fuse,
                         "kernel_variant": args.kernel_variant or "engine",
-                        "compiled": compile_decode, "host_work_ms": args.host_work_ms,
+                        "compiled": compile_decode, "slice_decode": args.slice_decode,
+                        "host_work_ms": args.host_work_ms,
                         "side_burst_ms": args.side_burst_ms, "side_period_ms": args.side_period_ms,
                         "bare_ms": round(bare * 1e3, 2), "bare_ops": sum(bare_census.values()), **bare_busy,
                         **split,

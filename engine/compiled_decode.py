@@ -57,7 +57,9 @@ class CompiledDecode:
 
     def logits(self, plan: DecodePlan, inputs: mx.array) -> mx.array | None:
         """The step's [B, vocab] logits from a traced graph, or None: run this step eagerly."""
-        if len(plan.groups) != 1:  # rows in several segments: rare, left eager
+        # Rows in several segments (rare), or one row read as a slice of the pool, whose
+        # length is in the graph's shapes (engine.kv.attention.run_decode): left eager.
+        if len(plan.groups) != 1 or plan.groups[0].run_start is not None:
             self._last = None
             return None
         (g,) = plan.groups

@@ -58,6 +58,10 @@ class EngineConfig:
     # where it won every interleaved server A/B (docs/throughput.md, session 7).
     compile_decode: bool | None = None
     compile_after: int = 4  # steps a batch shape must hold before it is traced
+    # A lone decoding row on consecutive blocks is attended as one slice of the pool, by MLX's
+    # fused SDPA, and stepped eagerly (engine.kv.attention.run_decode). None: on where decode
+    # steps are not compiled; on the H200 the compiled paged step was as fast (docs/throughput.md).
+    slice_decode: bool | None = None
     # Run a few small requests before serving, so that first-use kernel compilation is not
     # paid inside users' requests (engine.warmup). None: on for CUDA, where it was measured.
     warm_up: bool | None = None
@@ -165,8 +169,9 @@ class EngineCore:
         if on_cuda_by_default(config.compile_decode, loaded.backend):
             compiled = CompiledDecode(self.model, self.store, loaded.geometry.num_heads,
                                       after=config.compile_after)
+        slice_decode = compiled is None if config.slice_decode is None else config.slice_decode
         self.batch = Runner(self.model, self.store, overlap=overlap, prefill_batch=config.prefill_batch,
-                            compiled=compiled)
+                            compiled=compiled, slice_decode=slice_decode)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
         self.inbox: queue.SimpleQueue[_Submit | _Abort | _Call | None] = queue.SimpleQueue()

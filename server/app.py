@@ -71,6 +71,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_step_tokens=settings.max_step_tokens,
         prefill_batch=settings.prefill_batch,
         compile_decode=settings.compile_decode,
+        slice_decode=settings.slice_decode,
         warm_up=settings.warm_up,
         gil_switch_interval_s=settings.gil_switch_interval_ms / 1000,
     )

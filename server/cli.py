@@ -71,6 +71,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
                        help="replay decode steps from traced graphs once the batch holds still "
                        "(default: on CUDA only, where it was measured to win)")
+    serve.add_argument("--slice-decode", action=argparse.BooleanOptionalAction, default=None,
+                       help="attend a lone decoding row on consecutive KV blocks as one slice of the "
+                       "pool by MLX's fused SDPA, stepped eagerly (default: where decode steps "
+                       "are not compiled)")
     serve.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
                        help="run a few small requests before serving, so first-use kernel compilation "
                        "is not paid inside requests (default: on CUDA only)")

@@ -9,7 +9,9 @@ engines' caches) to the original unchanged. Model files are not forked.
 Backends. One group of rows (the rows living in one segment) is attended either by
 the CUDA paged kernel (`engine.kv.cuda_decode`, reads the pool through block tables), or
 by the plain-MLX fallback beside it: gather that group's slots for one layer, then one
-masked `mx.fast.scaled_dot_product_attention`. The fallback serves the CPU and Metal
+masked `mx.fast.scaled_dot_product_attention`. A group of one row on consecutive blocks
+(planned so by `DecodeTables(runs=True)`) is one unmasked SDPA over a slice of the pool
+(`run_decode`). The fallback serves the CPU and Metal
 (no Metal kernel ships yet), CUDA shapes the kernel does not take (head_dim not a multiple
 of 32), and is the reference the kernel is tested against.
 """
@@ -72,6 +74,8 @@ def decode_attention(queries: mx.array, cache: DecodeCache, scale: float) -> mx.
 
 def _attend_group(q: mx.array, g: DecodeGroup, layer: int, scale: float, block_size: int) -> mx.array:
     keys, values = g.segment.keys[layer], g.segment.values[layer]
+    if g.run_start is not None:
+        return run_decode(q, keys, values, g.run_start, g.max_length, scale)
     if g.kernel is None:  # decided once per step: every layer has the same shapes
         g.kernel = _takes_kernel(q.shape[1], q.shape[-1], keys.shape[1])
     if g.kernel:
@@ -103,6 +107,17 @@ def plain_decode(
     k = keys.reshape(slots * heads, dim)[read]  # [Bg, H, L, D]
     v = values.reshape(slots * heads, dim)[read]
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+def run_decode(q: mx.array, keys: mx.array, values: mx.array, start: int, length: int,
+               scale: float) -> mx.array:
+    """One row whose K/V sit in consecutive slots: SDPA over a strided view of the pool,
+    no gather and no mask, so MLX takes its fused decode kernel (on CUDA, `sdpa_vector`,
+    which reads any strides; the bare model's step uses it too). The view's length is the
+    row's, so each step is a new shape: such a step is never traced (engine.compiled_decode)."""
+    k = keys[start : start + length].transpose(1, 0, 2)[None]  # [1, H, L, D], a view
+    v = values[start : start + length].transpose(1, 0, 2)[None]
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
 
 
 def install_attention_hook(model: Any) -> int:

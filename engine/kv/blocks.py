@@ -41,7 +41,9 @@ class BlockAllocator:
     def release(self, blocks: list[int]) -> int:
         """Drop one hold on each block; returns how many became free."""
         freed = 0
-        for b in blocks:
+        # Pushed last to first, so that `allocate` hands a released run back in its order: a
+        # request on consecutive blocks is attended as one slice (engine.kv.cache.DecodeTables).
+        for b in reversed(blocks):
             if self._refs[b] <= 0:
                 raise ValueError(f"block {b} released more often than held")
             self._refs[b] -= 1

@@ -82,6 +82,9 @@ class DecodeGroup:
     read: mx.array | None = None  # [Bg, H, L] rows of the pool, built lazily (plain path)
     mask: mx.array | None = None
     kernel: bool | None = None  # the CUDA kernel attends this group (decided at its first layer)
+    # A group of one row whose blocks are one run of consecutive ids: the slot its K/V starts
+    # at, so that attention reads one slice of the pool (`engine.kv.attention.run_decode`).
+    run_start: int | None = None
 
     def plain_blocks(self, block_size: int) -> int:
         """Blocks the plain path gathers per row: its graph's only use of the length."""
@@ -119,6 +122,7 @@ class _GroupTables:
     rows_array: mx.array | None  # the same on the device; None = all rows, in order
     table: np.ndarray  # [Bg, NB] int32 block tables, zero-padded
     table_array: mx.array
+    run_block: int | None  # one row on consecutive blocks: its first block (DecodeGroup.run_start)
 
 
 class DecodeTables:
@@ -129,9 +133,14 @@ class DecodeTables:
     engine thread's samples at C=32 on the H200 (docs/throughput.md, session 7).
 
     It holds the reservations only weakly and no segment at all: a released request's
-    segment must go back to the device, not stay alive in a cache."""
+    segment must go back to the device, not stay alive in a cache.
 
-    def __init__(self) -> None:
+    With `runs`, a group of one row whose blocks are consecutive is planned as one slice of
+    the pool (`DecodeGroup.run_start`). A reservation's blocks cover its whole prompt and
+    `max_tokens`, so that holds for the row's life once it holds at the join."""
+
+    def __init__(self, runs: bool = False) -> None:
+        self.runs = runs
         self._allocs: list[weakref.ref[Allocation]] = []
         self._groups: list[_GroupTables] = []
         self._order: mx.array | None = None
@@ -148,6 +157,7 @@ class DecodeTables:
             groups.append(DecodeGroup(
                 segment=allocs[t.rows[0]].segment, rows=t.rows_array, write=mx.array(write),
                 table=t.table_array, lengths=mx.array(pos + 1), max_length=int(pos.max()) + 1,
+                run_start=None if t.run_block is None else t.run_block * bs,
             ))
         return DecodePlan(groups, mx.array(positions), self._order, bs)
 
@@ -162,15 +172,20 @@ class DecodeTables:
             table = np.zeros((len(members), max(a.capacity for a in members)), dtype=np.int32)
             for j, a in enumerate(members):
                 table[j, : a.capacity] = a.table
+            run = members[0].table if self.runs and len(members) == 1 else None
             self._groups.append(_GroupTables(
                 rows, None if single else mx.array(np.asarray(rows, dtype=np.int32)),
-                table, mx.array(table),
+                table, mx.array(table), run[0] if run and _consecutive(run) else None,
             ))
         self._order = None
         if not single:
             flat = np.concatenate([np.asarray(r) for r in by_segment.values()])
             self._order = mx.array(np.argsort(flat).astype(np.int32))
         self._allocs = [weakref.ref(a) for a in allocs]
+
+
+def _consecutive(blocks: list[int]) -> bool:
+    return blocks == list(range(blocks[0], blocks[0] + len(blocks)))
 
 
 def _same_rows(allocs: list[Allocation], kept: list[weakref.ref[Allocation]]) -> bool:

@@ -1,0 +1,121 @@
+"""A lone decoding row on consecutive blocks is attended as one slice of the pool
+(`engine.kv.attention.run_decode`, `DecodeTables(runs=True)`): the same tokens and logprobs as
+the paged path, never traced, and the allocator hands released runs back in order so that
+the next lone request is on consecutive blocks again.
+
+Real engine on the tiny float32 model, greedy; the store's own planning, no mocks.
+"""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+
+from engine import EngineRequest, SamplingParams
+from engine.kv import KVGeometry, KVStore, decode_caches, plan_decode
+from engine.kv.attention import decode_attention
+from engine.kv.blocks import BlockAllocator
+from engine.kv.cache import DecodeTables
+
+GEO = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=32, dtype=mx.float32)
+
+
+def _request(rid: str, n_prompt: int, max_tokens: int, seed: int) -> EngineRequest:
+    rng = random.Random(seed)
+    return EngineRequest(rid, tuple(rng.randrange(0, 256) for _ in range(n_prompt)), max_tokens,
+                         SamplingParams(temperature=0.0, logprobs=True))
+
+
+def _alone(make_engine, **config: object):
+    h = make_engine(prefill_step_size=64, prefix_cache_bytes=0, **config)
+    req = _request("alone", 150, 40, 7)
+    h.submit(req)
+    h.run_until(lambda: len(h.core.batch.seqs) == 1)
+    alloc = h.core.store.get("alone")
+    plan = plan_decode(h.core.store, [alloc], h.core.batch.tables)
+    h.run_until(lambda: "alone" in h.out.finished)
+    return h, plan.groups[0].run_start, alloc.table
+
+
+def test_a_lone_row_read_as_one_slice_gives_the_paged_paths_tokens_and_logprobs(make_engine):
+    sliced, start, table = _alone(make_engine, slice_decode=True)
+    paged, paged_start, _ = _alone(make_engine, slice_decode=False)
+    assert table == list(range(table[0], table[0] + len(table)))
+    assert start == table[0] * 16  # planned as one slice of the pool
+    assert paged_start is None
+    assert sliced.out.tokens["alone"] == paged.out.tokens["alone"]
+    assert len(sliced.out.tokens["alone"]) == 40
+    assert sliced.out.logprobs["alone"] == pytest.approx(paged.out.logprobs["alone"], abs=1e-4)
+
+
+def test_a_lone_sliced_row_is_never_traced_and_a_batch_still_is(make_engine):
+    """Its view's length is in the graph's shapes: a traced graph would be rebuilt every step."""
+    h = make_engine(prefill_step_size=64, prefix_cache_bytes=0, compile_decode=True, compile_after=1,
+                    slice_decode=True)
+    h.submit(_request("a", 20, 60, 1))
+    h.run_until(lambda: len(h.core.batch.seqs) == 1)
+    for _ in range(6):
+        h.step()
+    assert h.core.stats.decode_traces == 0
+    h.submit(_request("b", 20, 60, 2))
+    h.run_until(lambda: len(h.core.batch.seqs) == 2)
+    h.run_until(lambda: h.core.stats.compiled_steps >= 2)
+    assert h.core.stats.decode_traces >= 1
+
+
+def test_the_slice_is_on_by_default_only_where_decode_steps_are_not_compiled(make_engine):
+    """On the H200 the compiled paged step was as fast as the eager slice (docs/throughput.md,
+    session 11), and a sliced lone row is never traced: the warm-up would not trace batch 1."""
+    assert make_engine(compile_decode=False).core.batch.tables.runs is True
+    assert make_engine(compile_decode=True).core.batch.tables.runs is False
+    assert make_engine(compile_decode=True, slice_decode=True).core.batch.tables.runs is True
+    assert make_engine(compile_decode=False, slice_decode=False).core.batch.tables.runs is False
+
+
+def test_released_blocks_come_back_in_their_order():
+    """Released last to first, so a run is handed back as a run (the old allocator gave it
+    back reversed, and the next lone request was never one slice)."""
+    blocks = BlockAllocator(16)
+    first = blocks.allocate(5)
+    assert first == [0, 1, 2, 3, 4]
+    blocks.release(first)
+    assert blocks.allocate(5) == [0, 1, 2, 3, 4]
+    assert blocks.allocate(3) == [5, 6, 7]
+
+
+def test_only_a_lone_row_on_consecutive_blocks_is_planned_as_a_slice():
+    s = KVStore(GEO, block_size=16, segment_tokens=1024)
+    run = s.reserve("run", 100)  # blocks 0..6
+    gap = s.reserve("gap", 20)  # blocks 7..8
+    s.release("run")
+    split = s.reserve("split", 130)  # 9 blocks: 0..6 back in order, then 9, 10: not one run
+    assert split.table == [0, 1, 2, 3, 4, 5, 6, 9, 10]
+    for a in (gap, split):
+        s.advance(a.request_id, 10)
+    tables = DecodeTables(runs=True)
+    assert tables.plan(s, [gap]).groups[0].run_start == 7 * 16
+    assert DecodeTables(runs=True).plan(s, [split]).groups[0].run_start is None
+    assert tables.plan(s, [gap, split]).groups[0].run_start is None  # two rows: the paged path
+    assert DecodeTables().plan(s, [gap]).groups[0].run_start is None  # off unless asked for
+    assert run.table == [0, 1, 2, 3, 4, 5, 6]
+
+
+def test_the_slice_attends_what_the_paged_path_attends():
+    s = KVStore(GEO, block_size=16, segment_tokens=1024)
+    s.reserve("before", 40)
+    alloc = s.reserve("row", 200)
+    seg = alloc.segment
+    for layer in range(GEO.num_layers):  # fill the whole pool: stray reads would show
+        seg.keys[layer] = mx.random.normal(seg.keys[layer].shape)
+        seg.values[layer] = mx.random.normal(seg.values[layer].shape)
+    s.advance("row", 77)
+    q = mx.random.normal((1, 8, 1, 32))
+    outs = []
+    for runs in (True, False):
+        plan = DecodeTables(runs=runs).plan(s, [alloc])
+        assert (plan.groups[0].run_start is not None) is runs
+        (cache, _) = decode_caches(plan, GEO.num_layers)
+        outs.append(decode_attention(q, cache, 0.17))
+    assert mx.abs(outs[0] - outs[1]).max().item() < 1e-5
