@@ -13,6 +13,10 @@ Here LANES threads share each output element: lane i folds partitions i, i + LAN
 into a running (max, sum, weighted V) in one pass, as the attention kernel's warps do, and
 the lanes are merged in shared memory. The outputs and their layout are the engine
 merge's, so `paged_decode` is unchanged around it.
+
+Measured on the H200 in session 11: correct (max error one bf16 step, as the engine's), 4.8
+against 7.1 us per layer at 17 partitions under ncu, but no shorter batch-1 step, so it stays
+here (docs/throughput.md, "Measured on the H200 (session 11)").
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ chosen. Session 8 found the paged kernel at 41 % of a batch-32 step's device tim
 1 TB/s under ncu (`bench.ncu_summary`); this asks whether its knobs alone fix that. They did
 not (bench/results/h200-20261202-s8/kernel-sweep.jsonl): the current settings were the best.
 
-The `vector_*` variants are the next hypothesis, not yet run on a GPU. Each lane reads its
+The `vector_*` variants (run in sessions 8 and 10, docs/throughput.md): each lane reads its
 E = D/32 elements of a K or V row as E separate 2-byte loads; these read them as one
 E-element load (8 bytes for bf16 at D=128) and keep them packed in the model's dtype until
 used, so a warp has fewer load instructions and half the registers per token in flight.
@@ -23,12 +23,14 @@ and each (token, query head) costs a 3-step reduction among 8 lanes, not 5 among
 (online-softmax state, two shuffle rounds), then the warps as before; the outputs and the
 merge kernel are unchanged. They need D/8 elements to fill whole 16-byte loads.
 
-The `pmerge*` variants are session 11's hypothesis, not yet run on a GPU: at batch 1 the
+The `pmerge*` variants were session 11's hypothesis: at batch 1 the
 kernel is latency-bound with one block per SM, and finer partitions lost in session 10
 because the merge loops over them in one thread per output (`bench.kernel_merge` spreads
 that loop over lanes). `pmerge` keeps the engine's partitions, `pmerge_fine` takes 16
 tokens (552 blocks at batch 1 and 1,100 tokens), `pmerge_fine528` 32 (280 blocks, one wave);
 `pmerge_vec` and `pmerge_vec_fine` are `pmerge` and `pmerge_fine` with the `vector` loads.
+On the H200 all were correct and none shortened the engine's batch-1 step: the kernel's
+time barely follows its grid (bench/results/h200-20261202-s11, docs/throughput.md).
 """
 
 from __future__ import annotations
