@@ -63,13 +63,14 @@ def nvrtc_paths() -> tuple[Path, Path] | None:
 
 
 def paged_kernel_source(source: str, dtype: str, *, head_dim: int = 128, kv_heads: int = 8, rep: int = 4,
-                        block_size: int = 16, unroll: int = cuda_decode.UNROLL) -> str:
+                        block_size: int = 16, unroll: int = cuda_decode.UNROLL,
+                        warps: int = cuda_decode.WARPS) -> str:
     """`source` (the body `cuda_decode` hands MLX) wrapped as MLX wraps it."""
     t = CUDA_TYPES[dtype]
     signature = (f"__global__ void paged(const {t}* q, const {t}* k_pool, const {t}* v_pool, "
                  "const int* table, const __grid_constant__ Shape table_shape, const int* lengths, "
                  "const float* scale, const int* part, float* out, float* out_m, float* out_l) {\n")
-    consts = {"D": head_dim, "H": kv_heads, "REP": rep, "BS": block_size, "WARPS": cuda_decode.WARPS,
+    consts = {"D": head_dim, "H": kv_heads, "REP": rep, "BS": block_size, "WARPS": warps,
               "U": unroll}
     body = f"  using T = {t};\n" + "".join(f"  constexpr int {k} = {v};\n" for k, v in consts.items())
     return PRELUDE + cuda_decode._HEADER + signature + body + source + "\n}\n"
@@ -148,7 +149,8 @@ def main() -> int:
     cases = (("bfloat16", 1), ("bfloat16", 4), ("bfloat16", 8), ("float16", 4), ("float32", 4))
     for kind, (_, build, _fits) in kernel_sweep.SOURCES.items():
         for dtype, unroll in cases:
-            code = paged_kernel_source(build(), dtype, unroll=unroll)
+            warps = kernel_sweep.LAUNCHES.get(kind, kernel_sweep._ENGINE_LAUNCH)[1]
+            code = paged_kernel_source(build(), dtype, unroll=unroll, warps=warps)
             result = nvrtc.compile(code)
             failed += not result.ok
             ops = nvrtc.ptx_ops(code) if result.ok else {}

@@ -31,6 +31,10 @@ tokens (552 blocks at batch 1 and 1,100 tokens), `pmerge_fine528` 32 (280 blocks
 `pmerge_vec` and `pmerge_vec_fine` are `pmerge` and `pmerge_fine` with the `vector` loads.
 On the H200 all were correct and none shortened the engine's batch-1 step: the kernel's
 time barely follows its grid (bench/results/h200-20261202-s11, docs/throughput.md).
+
+`perhead` and `perhead_lanes` are session 12's hypothesis, not yet run on a GPU: MLX's
+`sdpa_vector` layout over the block table (`bench.kernel_perhead`), with the engine's merge
+or the lanes merge.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from bench import kernel_merge
+from bench import kernel_merge, kernel_perhead
 from bench.kv_store import attention_only, kernel_vs_plain, ragged
 from engine.kv import cuda_decode
 
@@ -210,7 +214,11 @@ SOURCES: dict[str, tuple[str, Callable[[], str], Callable[[mx.Dtype, int], bool]
     "group": ("headroom_paged_decode_group", group_source, lambda dt, d: group_fits(8, dt, d)),
     "group16": ("headroom_paged_decode_group16", lambda: group_source(16),
                 lambda dt, d: group_fits(16, dt, d)),
+    "perhead": ("headroom_paged_decode_perhead", lambda: kernel_perhead.SOURCE, lambda dt, d: True),
 }
+# A source kind with a launch of its own (grid, warps per block); the others take the engine's.
+_ENGINE_LAUNCH = (cuda_decode._launch, cuda_decode.WARPS)
+LAUNCHES = {"perhead": (kernel_perhead.launch, kernel_perhead.WARPS)}
 
 
 def _use_source(kind: str) -> None:
@@ -247,7 +255,10 @@ VARIANTS = [("current", BASE, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, "sc
             # The same with one packed load per lane (the `vector` source): its loads were 73 %
             # excess sectors under ncu at batch 1.
             ("pmerge_vec", BASE, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, "vector", "lanes"),
-            ("pmerge_vec_fine", FINE, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, "vector", "lanes")]
+            ("pmerge_vec_fine", FINE, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, "vector", "lanes"),
+            # Session 12's: sdpa_vector's layout over the block table (bench.kernel_perhead).
+            ("perhead", BASE, cuda_decode.TARGET_BLOCKS, 1, "perhead", "serial"),
+            ("perhead_lanes", BASE, cuda_decode.TARGET_BLOCKS, 1, "perhead", "lanes")]
 MERGES: dict[str, Callable[..., mx.array]] = {"serial": cuda_decode.merge_partitions,
                                              "lanes": kernel_merge.merge_partitions}
 
@@ -262,6 +273,7 @@ def use_variant(name: str, dtype: mx.Dtype | None = None, head_dim: int | None =
         if dtype is not None and head_dim is not None and not SOURCES[kind][2](dtype, head_dim):
             raise ValueError(f"kernel variant {name} cannot take {dtype} at head_dim {head_dim}")
         cuda_decode.PARTITIONS, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL = parts, target, unroll
+        cuda_decode._launch, cuda_decode.WARPS = LAUNCHES.get(kind, _ENGINE_LAUNCH)
         cuda_decode._launch.cache_clear()
         cuda_decode.merge_partitions = MERGES[merge]
         _use_source(kind)
