@@ -27,10 +27,19 @@ TIMEOUT_MS = 10_000
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
-    with sync_playwright() as p:
+    # CI preloads OpenBLAS for MLX (.ci/run); inside Playwright's node driver and chromium it
+    # breaks thread creation and the GPU process, so they start without it (the servers
+    # started later keep it).
+    preload = os.environ.pop("LD_PRELOAD", None)
+    try:
+        p = sync_playwright().start()
         b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        yield b
-        b.close()
+    finally:
+        if preload is not None:
+            os.environ["LD_PRELOAD"] = preload
+    yield b
+    b.close()
+    p.stop()
 
 
 @pytest.fixture(scope="module")
