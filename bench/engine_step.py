@@ -135,7 +135,8 @@ def graph_census(model, store: KVStore, decode: Runner) -> collections.Counter[s
 def engine_steps(model, batch: int, context: int, steps: int, temperature: float,
                  segments: int = 1, split: dict | None = None, compile_decode: bool = False,
                  server_segment: bool = False, profile: bool = False, host_work_ms: float = 0.0,
-                 side_burst_ms: float = 0.0, side_period_ms: float = 0.0, slice_decode: bool = True) -> float:
+                 side_burst_ms: float = 0.0, side_period_ms: float = 0.0,
+                 slice_decode: bool | None = None) -> float:
     """The runner's decode step; rows spread over `segments` KV segments (the server adds
     one per ~segment of reserved tokens). `split` receives the step's time split.
     `compile_decode` replays the step from a traced graph, as the server does on CUDA;
@@ -197,6 +198,7 @@ def engine_steps(model, batch: int, context: int, steps: int, temperature: float
                      queue_ms=round(queue * 1e3, 2), host_ms=round((per_step - wait - queue) * 1e3, 2),
                      gpu_busy_pct=gpu.percent,
                      replayed=None if compiled is None else compiled.replays - replays0,
+                     slice_decode=decode.tables.runs,
                      segment_gib=round(sum(seg.nbytes for seg in store.segments.values()) / 2**30, 2))
     return per_step
 
@@ -280,8 +282,6 @@ def main() -> None:
         mx.eval(model.parameters())
         fuse_projections(model)
     compile_decode = on_cuda_by_default(args.compile_decode, backend_name())
-    if args.slice_decode is None:
-        args.slice_decode = not compile_decode
     if args.kernel_variant:
         from bench.kernel_sweep import use_variant
 
@@ -304,8 +304,7 @@ def main() -> None:
                 census = split.pop("census")
                 line = {"batch": b, "context": args.context, "merge": args.merge, "fused": args.fuse,
                         "kernel_variant": args.kernel_variant or "engine",
-                        "compiled": compile_decode, "slice_decode": args.slice_decode,
-                        "host_work_ms": args.host_work_ms,
+                        "compiled": compile_decode, "host_work_ms": args.host_work_ms,
                         "side_burst_ms": args.side_burst_ms, "side_period_ms": args.side_period_ms,
                         "bare_ms": round(bare * 1e3, 2), "bare_ops": sum(bare_census.values()), **bare_busy,
                         **split,

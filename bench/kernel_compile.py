@@ -149,8 +149,7 @@ def main() -> int:
     cases = (("bfloat16", 1), ("bfloat16", 4), ("bfloat16", 8), ("float16", 4), ("float32", 4))
     for kind, (_, build, _fits) in kernel_sweep.SOURCES.items():
         for dtype, unroll in cases:
-            warps = kernel_sweep.LAUNCHES.get(kind, kernel_sweep._ENGINE_LAUNCH)[1]
-            code = paged_kernel_source(build(), dtype, unroll=unroll, warps=warps)
+            code = paged_kernel_source(build(), dtype, unroll=unroll, warps=kernel_sweep.launch_of(kind)[1])
             result = nvrtc.compile(code)
             failed += not result.ok
             ops = nvrtc.ptx_ops(code) if result.ok else {}

@@ -218,7 +218,12 @@ SOURCES: dict[str, tuple[str, Callable[[], str], Callable[[mx.Dtype, int], bool]
 }
 # A source kind with a launch of its own (grid, warps per block); the others take the engine's.
 _ENGINE_LAUNCH = (cuda_decode._launch, cuda_decode.WARPS)
-LAUNCHES = {"perhead": (kernel_perhead.launch, kernel_perhead.WARPS)}
+_LAUNCHES = {"perhead": (kernel_perhead.launch, kernel_perhead.WARPS)}
+
+
+def launch_of(kind: str) -> tuple[Callable[..., cuda_decode._Launch], int]:
+    """The launch function and warps per block that source `kind` runs with."""
+    return _LAUNCHES.get(kind, _ENGINE_LAUNCH)
 
 
 def _use_source(kind: str) -> None:
@@ -273,7 +278,7 @@ def use_variant(name: str, dtype: mx.Dtype | None = None, head_dim: int | None =
         if dtype is not None and head_dim is not None and not SOURCES[kind][2](dtype, head_dim):
             raise ValueError(f"kernel variant {name} cannot take {dtype} at head_dim {head_dim}")
         cuda_decode.PARTITIONS, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL = parts, target, unroll
-        cuda_decode._launch, cuda_decode.WARPS = LAUNCHES.get(kind, _ENGINE_LAUNCH)
+        cuda_decode._launch, cuda_decode.WARPS = launch_of(kind)
         cuda_decode._launch.cache_clear()
         cuda_decode.merge_partitions = MERGES[merge]
         _use_source(kind)

@@ -169,9 +169,8 @@ class EngineCore:
         if on_cuda_by_default(config.compile_decode, loaded.backend):
             compiled = CompiledDecode(self.model, self.store, loaded.geometry.num_heads,
                                       after=config.compile_after)
-        slice_decode = compiled is None if config.slice_decode is None else config.slice_decode
         self.batch = Runner(self.model, self.store, overlap=overlap, prefill_batch=config.prefill_batch,
-                            compiled=compiled, slice_decode=slice_decode)
+                            compiled=compiled, slice_decode=config.slice_decode)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
         self.inbox: queue.SimpleQueue[_Submit | _Abort | _Call | None] = queue.SimpleQueue()

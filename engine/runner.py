@@ -45,7 +45,7 @@ class StepToken:
 class Runner:
     def __init__(
         self, model: Any, store: KVStore, *, overlap: bool = False, prefill_batch: int = 8,
-        compiled: CompiledDecode | None = None, slice_decode: bool = False,
+        compiled: CompiledDecode | None = None, slice_decode: bool | None = None,
     ) -> None:
         self.model = model
         self.store = store
@@ -57,8 +57,9 @@ class Runner:
         self.fresh: list[int] = []  # last prompt token of each row that joined since the last step
         self.sampler = BatchSampler([])
         # block tables, kept while the batch's rows stay the same; `slice_decode`: a lone row on
-        # consecutive blocks is read as one slice of the pool (engine.kv.attention.run_decode)
-        self.tables = DecodeTables(runs=slice_decode)
+        # consecutive blocks is read as one slice of the pool (engine.kv.attention.run_decode),
+        # by default only where steps are not replayed (such a step is never traced)
+        self.tables = DecodeTables(runs=compiled is None if slice_decode is None else slice_decode)
         self.max_batch_seen = 0
         # Seconds the engine thread sat waiting for the device (reading a step's tokens,
         # evaluating a prefill call): the rest of its busy time is host work.

@@ -47,7 +47,7 @@ def test_the_lanes_merge_compiles_at_the_lanes_it_launches(nvrtc: Nvrtc, dtype: 
 @pytest.mark.parametrize("kind", sorted(kernel_sweep.SOURCES))
 def test_every_sweep_variant_compiles(nvrtc: Nvrtc, kind: str) -> None:
     _, build, _ = kernel_sweep.SOURCES[kind]
-    warps = kernel_sweep.LAUNCHES.get(kind, kernel_sweep._ENGINE_LAUNCH)[1]  # as it is launched
+    _, warps = kernel_sweep.launch_of(kind)  # as it is launched
     result = nvrtc.compile(paged_kernel_source(build(), "bfloat16", warps=warps))
     assert result.ok, result.log
 
