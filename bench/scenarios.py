@@ -100,7 +100,7 @@ async def throughput(server: Server, model: str, sizes: Sizes) -> list[dict[str,
 
 _ENGINE_COUNTERS = ("steps", "decode_steps", "prefill_chunks", "prefill_calls", "generated_tokens",
                     "prompt_tokens", "busy_s", "decode_wait_s", "prefill_wait_s", "queue_s", "engine_cpu_s",
-                    "admission_checks", "admission_s", "compiled_steps", "decode_traces")
+                    "admission_checks", "admission_s", "compiled_steps", "decode_traces", "sliced_steps")
 
 
 def engine_split(before: dict[str, Any], after: dict[str, Any], wall_s: float) -> dict[str, Any]:
@@ -127,6 +127,9 @@ def engine_split(before: dict[str, Any], after: dict[str, Any], wall_s: float) -
         if d["prefill_calls"] else None,
         # decode steps replayed from a traced graph (engine.compiled_decode)
         "compiled_pct": round(d["compiled_steps"] / d["decode_steps"] * 100, 1)
+        if d["decode_steps"] else None,
+        # decode steps that read a lone row as one slice of the pool (engine.kv.attention.run_decode)
+        "sliced_pct": round(d["sliced_steps"] / d["decode_steps"] * 100, 1)
         if d["decode_steps"] else None,
     }
 

@@ -49,7 +49,7 @@ def compact(data: dict[str, Any]) -> str:
                  "| step ms = device wait + queue + host, idle %, chunks/call | GPU busy % ours/mlx_lm "
                  "| asyncio thread CPU % "
                  "| admission ms/step, hand-backs | prefill tok/s (while the engine waits on it) "
-                 "| replayed steps %, traces")
+                 "| replayed / sliced steps %, traces")
     for key in sorted(set(ours) | set(theirs), key=lambda k: (k[0], not k[1], k[2])):
         o, t = ours.get(key, {}), theirs.get(key, {})
         c, stream, run = key
@@ -73,7 +73,7 @@ def compact(data: dict[str, Any]) -> str:
             f"| {_f((o.get('cpu') or {}).get('asyncio_thread_pct'), 1)} "
             f"| {_f(e.get('admission_ms_per_step'), 2)}, {e.get('hand_backs', '-')} "
             f"| {_f(e.get('prefill_tok_s'), 0)} "
-            f"| {_f(e.get('compiled_pct'), 0)}, {e.get('decode_traces', '-')}"
+            f"| {_f(e.get('compiled_pct'), 0)} / {_f(e.get('sliced_pct'), 0)}, {e.get('decode_traces', '-')}"
         )
     errors = data.get("errors") or []
     if errors:

@@ -59,9 +59,9 @@ class EngineConfig:
     compile_decode: bool | None = None
     compile_after: int = 4  # steps a batch shape must hold before it is traced
     # A lone decoding row on consecutive blocks is attended as one slice of the pool, by MLX's
-    # fused SDPA, and stepped eagerly (engine.kv.attention.run_decode). None: on where decode
-    # steps are not compiled; on the H200 the compiled paged step was as fast (docs/throughput.md).
-    slice_decode: bool | None = None
+    # fused SDPA, and stepped eagerly (engine.kv.attention.run_decode). On CUDA too: in the
+    # server on the H200 it beat the replayed paged step at C=1 (docs/throughput.md, session 12).
+    slice_decode: bool = True
     # Run a few small requests before serving, so that first-use kernel compilation is not
     # paid inside users' requests (engine.warmup). None: on for CUDA, where it was measured.
     warm_up: bool | None = None
@@ -107,6 +107,7 @@ class EngineStats:
     queue_s: float = 0.0  # inside mx.async_eval (launches; on the CPU, compute MLX throttles)
     compiled_steps: int = 0  # decode steps replayed from a traced graph (engine.compiled_decode)
     decode_traces: int = 0  # graphs traced for them
+    sliced_steps: int = 0  # decode steps that read a lone row as one slice of the pool (eager)
     engine_cpu_s: float = 0.0
     recent_chunks: tuple[ChunkSample, ...] = ()  # oldest first: prediction against measurement
     peak_bytes: int = 0  # MLX's peak active memory since start
@@ -699,6 +700,7 @@ class EngineCore:
             queue_s=round(self.batch.queue_s, 6),
             compiled_steps=0 if self.batch.compiled is None else self.batch.compiled.replays,
             decode_traces=0 if self.batch.compiled is None else self.batch.compiled.traces,
+            sliced_steps=self.batch.sliced_steps,
             engine_cpu_s=round(self._cpu_s, 6),
             recent_chunks=self.admission.recent_chunks(),
             peak_bytes=self.admission.lifetime_peak_bytes(),

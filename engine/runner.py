@@ -45,7 +45,7 @@ class StepToken:
 class Runner:
     def __init__(
         self, model: Any, store: KVStore, *, overlap: bool = False, prefill_batch: int = 8,
-        compiled: CompiledDecode | None = None, slice_decode: bool | None = None,
+        compiled: CompiledDecode | None = None, slice_decode: bool = True,
     ) -> None:
         self.model = model
         self.store = store
@@ -58,9 +58,10 @@ class Runner:
         self.sampler = BatchSampler([])
         # block tables, kept while the batch's rows stay the same; `slice_decode`: a lone row on
         # consecutive blocks is read as one slice of the pool (engine.kv.attention.run_decode),
-        # by default only where steps are not replayed (such a step is never traced)
-        self.tables = DecodeTables(runs=compiled is None if slice_decode is None else slice_decode)
+        # stepped eagerly even where other steps are replayed (such a step is never traced)
+        self.tables = DecodeTables(runs=slice_decode)
         self.max_batch_seen = 0
+        self.sliced_steps = 0  # decode steps with a row read as one slice of the pool
         # Seconds the engine thread sat waiting for the device (reading a step's tokens,
         # evaluating a prefill call): the rest of its busy time is host work.
         self.decode_wait_s = 0.0
@@ -133,6 +134,7 @@ class Runner:
         n_current = 0 if current is None else current.tokens.shape[0]
         inputs = self._inputs(current)
         plan = plan_decode(self.store, [self.store.get(s.request_id) for s in self.seqs], self.tables)
+        self.sliced_steps += any(g.run_start is not None for g in plan.groups)
         logits = None if self.compiled is None else self.compiled.logits(plan, inputs)
         if logits is None:
             caches = decode_caches(plan, self.store.geometry.num_layers)

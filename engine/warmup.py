@@ -19,6 +19,10 @@ requests through its own path before the server reports ready:
   batch 3's trace should build batch 32's kernels; batch 1 is traced too, since a size-1
   batch dimension may let MLX simplify broadcasts into another graph. Neither was
   measured on the H200;
+- the lone row's blocks are consecutive, so it would be read as one slice of the pool,
+  eagerly (`engine.kv.attention.run_decode`), and batch 1 never traced: the slice is held
+  off until the row has had its paged steps, then it steps SLICE_STEPS more times on the
+  slice, as a lone request on a run of blocks does in serving;
 - the requests leave at different steps, so rows leave while the others' tokens are in
   flight, and the pending step is compacted with a gather. MLX compiled that gather
   (`gather_uint32_int32_1`) at the first real leave, 3.6 s inside a prefill call on a
@@ -47,6 +51,7 @@ log = logging.getLogger("mlx_headroom.engine")
 
 PROMPT_TOKENS = 64
 STAGGER = 2  # steps at batch 2, between the first leave and the second
+SLICE_STEPS = 3  # the lone row's last steps, read as one slice of the pool
 MAX_STEPS = 1000  # a warm-up that has not finished by then gives up (nothing is lost)
 
 
@@ -64,20 +69,28 @@ def warm_up(core: EngineCore, *, prompt_tokens: int = PROMPT_TOKENS) -> WarmupRe
     # Steps at batch 3, and at 1: a streak of compile_after + 2 (traced, then replayed) even
     # if one block boundary, 16 tokens apart by default, falls inside.
     hold = 2 * (core.config.compile_after + 2)
-    new_tokens = (hold, hold + STAGGER, hold + STAGGER + hold)
+    paged_tokens = hold + STAGGER + hold  # the lone row's tokens before the slice is let on
+    new_tokens = (hold, hold + STAGGER, paged_tokens + SLICE_STEPS)
     requests = [
         EngineRequest(f"warmup-{i}", tuple((7 * i + j) % 256 for j in range(n)), new,
                       SamplingParams(temperature=0.0, logprobs=i == 1, top_logprobs=2 if i == 1 else 0))
         for i, (n, new) in enumerate(zip(shapes, new_tokens, strict=True))
     ]
     finished: dict[str, str] = {}
+    generated = dict.fromkeys((r.request_id for r in requests), 0)
+    tables = core.batch.tables
+    slice_rule = tables.runs
 
     def sink(outputs: list[RequestOutput]) -> None:
         for out in outputs:
+            generated[out.request_id] += len(out.new_tokens)
             if out.finish_reason is not None:
                 finished[out.request_id] = out.finish_reason
+        if not tables.runs and slice_rule and generated[requests[-1].request_id] >= paged_tokens:
+            tables.runs = True
 
     publish, core.publish = core.publish, sink
+    tables.runs = False
     try:
         for r in requests:
             core.submit(r)
@@ -93,6 +106,7 @@ def warm_up(core: EngineCore, *, prompt_tokens: int = PROMPT_TOKENS) -> WarmupRe
             core.step()
     finally:
         core.publish = publish
+        tables.runs = slice_rule
         core.prefix_cache.clear()
         # what it freed (its KV segment: 16 GiB on an H200 by default) would otherwise
         # stay in MLX's buffer cache, counted by the device, while the server sits idle

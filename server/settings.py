@@ -77,10 +77,9 @@ class Settings(BaseSettings):
     compile_decode: bool | None = Field(
         None, description="replay decode steps from traced graphs, mx.compile (None: on CUDA only)"
     )
-    slice_decode: bool | None = Field(
-        None, description="attend a lone decoding row on consecutive KV blocks as one slice of "
-        "the pool, by MLX's fused SDPA, stepped eagerly (engine.kv.attention.run_decode; "
-        "None: on where decode steps are not compiled)",
+    slice_decode: bool = Field(
+        True, description="attend a lone decoding row on consecutive KV blocks as one slice of "
+        "the pool, by MLX's fused SDPA, stepped eagerly (engine.kv.attention.run_decode)",
     )
     warm_up: bool | None = Field(
         None, description="run a few small requests before serving (None: on CUDA; engine.warmup)"

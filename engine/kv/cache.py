@@ -140,10 +140,19 @@ class DecodeTables:
     `max_tokens`, so that holds for the row's life once it holds at the join."""
 
     def __init__(self, runs: bool = False) -> None:
-        self.runs = runs
         self._allocs: list[weakref.ref[Allocation]] = []
+        self.runs = runs
         self._groups: list[_GroupTables] = []
         self._order: mx.array | None = None
+
+    @property
+    def runs(self) -> bool:
+        return self._runs
+
+    @runs.setter
+    def runs(self, value: bool) -> None:
+        self._runs = value
+        self._allocs = []  # the kept tables were planned under the old rule: rebuild them
 
     def plan(self, store: KVStore, allocs: list[Allocation]) -> DecodePlan:
         if not _same_rows(allocs, self._allocs):

@@ -171,7 +171,9 @@ class KVStore:
         if shared is not None and shared.blocks:
             seg = self.segments.get(shared.segment_id)
             full = shared.tokens // self.block_size
-            own = seg.blocks.allocate(need - full) if seg is not None else None
+            # right after the prefix's last full block where it can: the row then stays one run
+            after = shared.blocks[full - 1] if full else None
+            own = seg.blocks.allocate(need - full, after) if seg is not None else None
             if seg is not None and own is not None:
                 seg.blocks.share(list(shared.blocks[:full]))
                 alloc = Allocation(request_id, seg, [*shared.blocks[:full], *own], shared=full)

@@ -65,7 +65,9 @@ def test_replayed_steps_give_the_eager_steps_tokens_and_logprobs(make_engine):
 
 
 def test_a_shape_is_traced_only_after_it_held_for_compile_after_steps(make_engine):
-    h = make_engine(prefill_step_size=64, prefix_cache_bytes=0, compile_decode=True, compile_after=5)
+    # a lone row on the paged path: on one slice of the pool it would never be traced
+    h = make_engine(prefill_step_size=64, prefix_cache_bytes=0, compile_decode=True, compile_after=5,
+                    slice_decode=False)
     h.submit(EngineRequest("a", tuple(range(20)), 40, SamplingParams(temperature=0.0)))
     h.run_until(lambda: len(h.core.batch.seqs) == 1)  # the step it joined in decoded it once
     for _ in range(3):

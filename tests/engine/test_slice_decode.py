@@ -65,13 +65,12 @@ def test_a_lone_sliced_row_is_never_traced_and_a_batch_still_is(make_engine):
     assert h.core.stats.decode_traces >= 1
 
 
-def test_the_slice_is_on_by_default_only_where_decode_steps_are_not_compiled(make_engine):
-    """On the H200 the compiled paged step was as fast as the eager slice (docs/throughput.md,
-    session 11), and a sliced lone row is never traced: the warm-up would not trace batch 1."""
+def test_the_slice_is_on_by_default_compiled_or_not(make_engine):
+    """In the server on the H200 the eager slice beat the replayed paged step at C=1
+    (docs/throughput.md, session 12), so it is on where steps are compiled too."""
     assert make_engine(compile_decode=False).core.batch.tables.runs is True
-    assert make_engine(compile_decode=True).core.batch.tables.runs is False
-    assert make_engine(compile_decode=True, slice_decode=True).core.batch.tables.runs is True
-    assert make_engine(compile_decode=False, slice_decode=False).core.batch.tables.runs is False
+    assert make_engine(compile_decode=True).core.batch.tables.runs is True
+    assert make_engine(compile_decode=True, slice_decode=False).core.batch.tables.runs is False
 
 
 def test_released_blocks_come_back_in_their_order():
@@ -85,13 +84,60 @@ def test_released_blocks_come_back_in_their_order():
     assert blocks.allocate(3) == [5, 6, 7]
 
 
+def test_a_request_after_interleaved_leaves_gets_one_run_of_blocks():
+    """The free list used to hand blocks out in release order: after rows left in turn, the
+    next request took pieces of several earlier runs, and was never one slice."""
+    blocks = BlockAllocator(32)
+    _, b, _, d = (blocks.allocate(3) for _ in range(4))  # 0..11
+    blocks.release(b)
+    blocks.release(d)
+    assert blocks.allocate(6) == list(range(9, 15))  # 9..11 and past them, not 9..11 + 3..5
+    assert blocks.allocate(3) == [3, 4, 5]  # the lowest run that fits
+    assert blocks.free == 32 - 15
+
+
+def test_without_a_free_run_the_lowest_free_blocks_are_taken():
+    blocks = BlockAllocator(8)
+    held = blocks.allocate(8)
+    blocks.release([held[1], held[4], held[6]])
+    assert blocks.allocate(3) == [1, 4, 6]
+    assert blocks.allocate(1) is None
+
+
+def test_blocks_extending_a_prefix_follow_it_when_they_are_free():
+    blocks = BlockAllocator(32)
+    first = blocks.allocate(10)  # 0..9
+    blocks.release(first[4:])  # a prefix cache keeps 0..3
+    blocks.allocate(2)  # a bystander takes the lowest run: 4, 5
+    assert blocks.allocate(3, after=3) == [6, 7, 8]  # 4 is taken: the lowest run instead
+    assert blocks.allocate(2, after=8) == [9, 10]
+
+
+def test_a_lone_request_after_a_busy_batch_is_read_as_one_slice(make_engine):
+    """In a server that had served concurrent requests (the benchmark's warm-up at C=64, on the
+    H200), the next lone request sat on pieces of several runs and took the paged path. The
+    prefix cache keeps the segment (and the busy prompts' blocks) alive meanwhile."""
+    h = make_engine(prefill_step_size=64, slice_decode=True)
+    for i, new in enumerate((9, 3, 14, 6, 11)):  # leave in the order 1, 3, 0, 4, 2
+        h.submit(_request(f"busy{i}", 40 + 7 * i, new, 10 + i))
+    h.run_until(lambda: len(h.out.finished) == 5)
+    assert h.core.store.segments  # still held by the prefix cache: blocks are reused, not fresh
+    req = _request("alone", 150, 5, 7)
+    h.submit(req)
+    h.run_until(lambda: len(h.core.batch.seqs) == 1)
+    alloc = h.core.store.get("alone")
+    assert alloc.table == list(range(alloc.table[0], alloc.table[0] + len(alloc.table)))
+    assert plan_decode(h.core.store, [alloc], h.core.batch.tables).groups[0].run_start == alloc.table[0] * 16
+
+
 def test_only_a_lone_row_on_consecutive_blocks_is_planned_as_a_slice():
-    s = KVStore(GEO, block_size=16, segment_tokens=1024)
+    s = KVStore(GEO, block_size=16, segment_tokens=1024)  # 64 blocks
     run = s.reserve("run", 100)  # blocks 0..6
     gap = s.reserve("gap", 20)  # blocks 7..8
+    s.reserve("rest", 52 * 16)  # blocks 9..60
     s.release("run")
-    split = s.reserve("split", 130)  # 9 blocks: 0..6 back in order, then 9, 10: not one run
-    assert split.table == [0, 1, 2, 3, 4, 5, 6, 9, 10]
+    split = s.reserve("split", 130)  # 9 blocks, and no free run of 9: 0..6, then 61, 62
+    assert split.table == [0, 1, 2, 3, 4, 5, 6, 61, 62]
     for a in (gap, split):
         s.advance(a.request_id, 10)
     tables = DecodeTables(runs=True)
