@@ -136,7 +136,7 @@ def engine_steps(model, batch: int, context: int, steps: int, temperature: float
                  segments: int = 1, split: dict | None = None, compile_decode: bool = False,
                  server_segment: bool = False, profile: bool = False, host_work_ms: float = 0.0,
                  side_burst_ms: float = 0.0, side_period_ms: float = 0.0,
-                 slice_decode: bool = True) -> float:
+                 slice_decode: bool | None = None) -> float:
     """The runner's decode step; rows spread over `segments` KV segments (the server adds
     one per ~segment of reserved tokens). `split` receives the step's time split.
     `compile_decode` replays the step from a traced graph, as the server does on CUDA;
@@ -199,6 +199,7 @@ def engine_steps(model, batch: int, context: int, steps: int, temperature: float
                      gpu_busy_pct=gpu.percent,
                      replayed=None if compiled is None else compiled.replays - replays0,
                      slice_decode=decode.tables.runs,
+                     slice_choice=None if decode.slice_choice is None else decode.slice_choice.report(),
                      segment_gib=round(sum(seg.nbytes for seg in store.segments.values()) / 2**30, 2))
     return per_step
 
@@ -262,9 +263,10 @@ def main() -> None:
     p.add_argument("--side-burst-ms", type=float, default=0.0,
                    help="a second thread holds the GIL this long every --side-period-ms (the event loop)")
     p.add_argument("--side-period-ms", type=float, default=0.0)
-    p.add_argument("--slice-decode", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--slice-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="a lone row on consecutive blocks attended as one slice of the pool, "
-                   "stepped eagerly (engine.kv.attention.run_decode; default: on, as the engine)")
+                   "stepped eagerly (engine.kv.attention.run_decode; default: as the engine, "
+                   "timed against the replayed step where steps are replayed)")
     p.add_argument("--split-only", action="store_true",
                    help="only the greedy engine step per segment count, with its time split")
     args = p.parse_args()

@@ -92,6 +92,7 @@ async def throughput(server: Server, model: str, sizes: Sizes) -> list[dict[str,
                     }
                 if before and after:
                     point["engine"] = engine_split(before["engine"], after["engine"], summary["wall_s"])
+                    point["engine"]["slice_choice"] = after["engine"].get("slice_choice")
                     point["engine"]["hand_backs"] = (after.get("allocator", {}).get("hand_backs", 0)
                                                      - before.get("allocator", {}).get("hand_backs", 0))
                 points.append(point)

@@ -59,9 +59,11 @@ class EngineConfig:
     compile_decode: bool | None = None
     compile_after: int = 4  # steps a batch shape must hold before it is traced
     # A lone decoding row on consecutive blocks is attended as one slice of the pool, by MLX's
-    # fused SDPA, and stepped eagerly (engine.kv.attention.run_decode). On CUDA too: in the
-    # server on the H200 it beat the replayed paged step at C=1 (docs/throughput.md, session 12).
-    slice_decode: bool = True
+    # fused SDPA, and stepped eagerly (engine.kv.attention.run_decode). None: always where
+    # decode steps are eager; where they are replayed, whichever of the slice and the graph
+    # stepped faster on this machine's first lone rows (engine.slice_choice): on two H200
+    # machines the slice won by 13 % and lost by 6 % at C=1 (docs/throughput.md, session 12).
+    slice_decode: bool | None = None
     # Run a few small requests before serving, so that first-use kernel compilation is not
     # paid inside users' requests (engine.warmup). None: on for CUDA, where it was measured.
     warm_up: bool | None = None
@@ -108,6 +110,7 @@ class EngineStats:
     compiled_steps: int = 0  # decode steps replayed from a traced graph (engine.compiled_decode)
     decode_traces: int = 0  # graphs traced for them
     sliced_steps: int = 0  # decode steps that read a lone row as one slice of the pool (eager)
+    slice_choice: dict[str, object] | None = None  # the timed choice's numbers (engine.slice_choice)
     engine_cpu_s: float = 0.0
     recent_chunks: tuple[ChunkSample, ...] = ()  # oldest first: prediction against measurement
     peak_bytes: int = 0  # MLX's peak active memory since start
@@ -701,6 +704,7 @@ class EngineCore:
             compiled_steps=0 if self.batch.compiled is None else self.batch.compiled.replays,
             decode_traces=0 if self.batch.compiled is None else self.batch.compiled.traces,
             sliced_steps=self.batch.sliced_steps,
+            slice_choice=None if self.batch.slice_choice is None else self.batch.slice_choice.report(),
             engine_cpu_s=round(self._cpu_s, 6),
             recent_chunks=self.admission.recent_chunks(),
             peak_bytes=self.admission.lifetime_peak_bytes(),

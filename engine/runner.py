@@ -18,6 +18,7 @@ and the engine picks per backend (`EngineConfig.decode_overlap`).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -30,9 +31,13 @@ from engine.compiled_decode import CompiledDecode
 from engine.kv import KVStore, decode_caches, plan_decode, prefill_caches
 from engine.kv.cache import DecodeTables
 from engine.kv.prefill import PrefillRow, batch_prefill_caches, group_by_segment, plan_prefill
+from engine.kv.store import Allocation
 from engine.request import TokenLogprob
 from engine.sampling import BatchSampler, SampledStep
 from engine.sequence import Sequence
+from engine.slice_choice import SliceChoice
+
+log = logging.getLogger("mlx_headroom.engine")
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,7 @@ class StepToken:
 class Runner:
     def __init__(
         self, model: Any, store: KVStore, *, overlap: bool = False, prefill_batch: int = 8,
-        compiled: CompiledDecode | None = None, slice_decode: bool = True,
+        compiled: CompiledDecode | None = None, slice_decode: bool | None = None,
     ) -> None:
         self.model = model
         self.store = store
@@ -58,8 +63,13 @@ class Runner:
         self.sampler = BatchSampler([])
         # block tables, kept while the batch's rows stay the same; `slice_decode`: a lone row on
         # consecutive blocks is read as one slice of the pool (engine.kv.attention.run_decode),
-        # stepped eagerly even where other steps are replayed (such a step is never traced)
-        self.tables = DecodeTables(runs=slice_decode)
+        # stepped eagerly. None: always where steps are eager; where they are replayed, the
+        # faster of the two paths on this machine, timed on the first lone rows (SliceChoice).
+        self.slice_decode = slice_decode
+        self.slice_choice = SliceChoice() if slice_decode is None and compiled is not None else None
+        self.force_slice: bool | None = None  # set by the warm-up: this path, and no timing
+        self.tables = DecodeTables(runs=slice_decode is not False)
+        self._lone: tuple[bool, bool, float] | None = None  # last lone step: sliced, clean, start
         self.max_batch_seen = 0
         self.sliced_steps = 0  # decode steps with a row read as one slice of the pool
         # Seconds the engine thread sat waiting for the device (reading a step's tokens,
@@ -133,9 +143,19 @@ class Runner:
         current = self.pending
         n_current = 0 if current is None else current.tokens.shape[0]
         inputs = self._inputs(current)
-        plan = plan_decode(self.store, [self.store.get(s.request_id) for s in self.seqs], self.tables)
-        self.sliced_steps += any(g.run_start is not None for g in plan.groups)
+        started = time.perf_counter()
+        allocs = [self.store.get(s.request_id) for s in self.seqs]
+        choosing = self._choose_path(allocs, started)
+        plan = plan_decode(self.store, allocs, self.tables)
+        sliced = any(g.run_start is not None for g in plan.groups)
+        self.sliced_steps += sliced
+        replays = -1 if self.compiled is None else self.compiled.replays
+        traces = -1 if self.compiled is None else self.compiled.traces
         logits = None if self.compiled is None else self.compiled.logits(plan, inputs)
+        if choosing:
+            replayed = self.compiled is not None and self.compiled.replays > replays
+            clean = sliced or (replayed and self.compiled is not None and self.compiled.traces == traces)
+            self._lone = (sliced, clean, started)
         if logits is None:
             caches = decode_caches(plan, self.store.geometry.num_layers)
             logits = self.model(inputs[:, None], cache=caches)[:, -1, :]
@@ -159,6 +179,35 @@ class Runner:
             StepToken(seq, tok, logprobs[i] if logprobs else None)
             for i, (seq, tok) in enumerate(zip(emitting, tokens, strict=True))
         ]
+
+    def _choose_path(self, allocs: list[Allocation], now: float) -> bool:
+        """Set this step's slice rule; True when the step is one SliceChoice is timing. The
+        interval since the last timed step is a sample when both took the same path and
+        that one was clean (the slice, or a replay that traced nothing)."""
+        choice = self.slice_choice
+        if self.force_slice is not None or choice is None or choice.chosen is not None:
+            if self.force_slice is not None:
+                self.tables.runs = self.force_slice
+            elif choice is not None:
+                self.tables.runs = bool(choice.chosen)
+            self._lone = None
+            return False
+        self.tables.keep(allocs)
+        if not self.tables.lone_run:
+            self._lone = None
+            return False
+        sliced = choice.next_sliced()
+        last = self._lone
+        if last is not None and last[0] == sliced and last[1]:
+            choice.record(sliced, now - last[2])
+            if choice.chosen is not None:
+                log.info("lone-row decode path, timed on this machine: %s", choice.report())
+                self.tables.runs = choice.chosen
+                self._lone = None
+                return False
+            sliced = choice.next_sliced()  # the slice's samples may be in: on to the graph
+        self.tables.runs = sliced
+        return True
 
     def _sample(self, logits: mx.array, steps: list[int]) -> SampledStep:
         step = self.sampler.sample(logits, steps)

@@ -78,19 +78,19 @@ def warm_up(core: EngineCore, *, prompt_tokens: int = PROMPT_TOKENS) -> WarmupRe
     ]
     finished: dict[str, str] = {}
     generated = dict.fromkeys((r.request_id for r in requests), 0)
-    tables = core.batch.tables
-    slice_rule = tables.runs
+    runner = core.batch
+    can_slice = runner.slice_decode is not False
 
     def sink(outputs: list[RequestOutput]) -> None:
         for out in outputs:
             generated[out.request_id] += len(out.new_tokens)
             if out.finish_reason is not None:
                 finished[out.request_id] = out.finish_reason
-        if not tables.runs and slice_rule and generated[requests[-1].request_id] >= paged_tokens:
-            tables.runs = True
+        if can_slice and runner.force_slice is False and generated[requests[-1].request_id] >= paged_tokens:
+            runner.force_slice = True
 
     publish, core.publish = core.publish, sink
-    tables.runs = False
+    runner.force_slice = False  # and untimed: first-use compilation would skew SliceChoice
     try:
         for r in requests:
             core.submit(r)
@@ -106,7 +106,7 @@ def warm_up(core: EngineCore, *, prompt_tokens: int = PROMPT_TOKENS) -> WarmupRe
             core.step()
     finally:
         core.publish = publish
-        tables.runs = slice_rule
+        runner.force_slice = None
         core.prefix_cache.clear()
         # what it freed (its KV segment: 16 GiB on an H200 by default) would otherwise
         # stay in MLX's buffer cache, counted by the device, while the server sits idle

@@ -140,23 +140,24 @@ class DecodeTables:
     `max_tokens`, so that holds for the row's life once it holds at the join."""
 
     def __init__(self, runs: bool = False) -> None:
+        self.runs = runs  # read at each plan: the runner may switch it between steps
         self._allocs: list[weakref.ref[Allocation]] = []
-        self.runs = runs
         self._groups: list[_GroupTables] = []
         self._order: mx.array | None = None
 
     @property
-    def runs(self) -> bool:
-        return self._runs
+    def lone_run(self) -> bool:
+        """The kept batch is one row on consecutive blocks: a slice could read it, whether
+        or not `runs` lets it (engine.slice_choice times both paths on such rows)."""
+        return len(self._groups) == 1 and self._groups[0].run_block is not None
 
-    @runs.setter
-    def runs(self, value: bool) -> None:
-        self._runs = value
-        self._allocs = []  # the kept tables were planned under the old rule: rebuild them
-
-    def plan(self, store: KVStore, allocs: list[Allocation]) -> DecodePlan:
+    def keep(self, allocs: list[Allocation]) -> None:
+        """Rebuild the tables if the batch's rows changed since the last step."""
         if not _same_rows(allocs, self._allocs):
             self._build(allocs)
+
+    def plan(self, store: KVStore, allocs: list[Allocation]) -> DecodePlan:
+        self.keep(allocs)
         bs = store.block_size
         positions = np.fromiter((a.length for a in allocs), dtype=np.int32, count=len(allocs))
         groups = []
@@ -166,7 +167,7 @@ class DecodeTables:
             groups.append(DecodeGroup(
                 segment=allocs[t.rows[0]].segment, rows=t.rows_array, write=mx.array(write),
                 table=t.table_array, lengths=mx.array(pos + 1), max_length=int(pos.max()) + 1,
-                run_start=None if t.run_block is None else t.run_block * bs,
+                run_start=None if t.run_block is None or not self.runs else t.run_block * bs,
             ))
         return DecodePlan(groups, mx.array(positions), self._order, bs)
 
@@ -181,7 +182,7 @@ class DecodeTables:
             table = np.zeros((len(members), max(a.capacity for a in members)), dtype=np.int32)
             for j, a in enumerate(members):
                 table[j, : a.capacity] = a.table
-            run = members[0].table if self.runs and len(members) == 1 else None
+            run = members[0].table if len(members) == 1 else None
             self._groups.append(_GroupTables(
                 rows, None if single else mx.array(np.asarray(rows, dtype=np.int32)),
                 table, mx.array(table), run[0] if run and _consecutive(run) else None,

@@ -18,6 +18,7 @@ from engine.kv import KVGeometry, KVStore, decode_caches, plan_decode
 from engine.kv.attention import decode_attention
 from engine.kv.blocks import BlockAllocator
 from engine.kv.cache import DecodeTables
+from engine.slice_choice import SliceChoice
 
 GEO = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=32, dtype=mx.float32)
 
@@ -65,12 +66,38 @@ def test_a_lone_sliced_row_is_never_traced_and_a_batch_still_is(make_engine):
     assert h.core.stats.decode_traces >= 1
 
 
-def test_the_slice_is_on_by_default_compiled_or_not(make_engine):
-    """In the server on the H200 the eager slice beat the replayed paged step at C=1
-    (docs/throughput.md, session 12), so it is on where steps are compiled too."""
-    assert make_engine(compile_decode=False).core.batch.tables.runs is True
-    assert make_engine(compile_decode=True).core.batch.tables.runs is True
-    assert make_engine(compile_decode=True, slice_decode=False).core.batch.tables.runs is False
+def test_the_slice_is_on_where_steps_are_eager_and_timed_where_they_are_replayed(make_engine):
+    """On two H200 machines the eager slice beat the replayed paged step at C=1 on one and
+    lost on the other (docs/throughput.md, session 12): where steps are replayed, the engine
+    times both."""
+    eager = make_engine(compile_decode=False).core.batch
+    assert (eager.tables.runs, eager.slice_choice) == (True, None)
+    replayed = make_engine(compile_decode=True).core.batch
+    assert replayed.slice_choice is not None and replayed.slice_choice.chosen is None
+    forced = make_engine(compile_decode=True, slice_decode=True).core.batch
+    assert (forced.tables.runs, forced.slice_choice) == (True, None)
+    off = make_engine(compile_decode=True, slice_decode=False).core.batch
+    assert (off.tables.runs, off.slice_choice) == (False, None)
+
+
+def test_a_lone_row_times_both_paths_then_keeps_one_with_the_same_tokens(make_engine):
+    timed = make_engine(prefill_step_size=64, prefix_cache_bytes=0, compile_decode=True, compile_after=1)
+    timed.core.batch.slice_choice = choice = SliceChoice(trial_steps=3)
+    paged = make_engine(prefill_step_size=64, prefix_cache_bytes=0, compile_decode=True, compile_after=1,
+                        slice_decode=False)
+    for h in (timed, paged):
+        h.submit(_request("alone", 30, 40, 3))
+        h.run_until(lambda h=h: "alone" in h.out.finished)
+    assert choice.chosen is not None
+    assert [len(choice.samples[k]) for k in (True, False)] == [3, 3]
+    assert all(t > 0 for k in (True, False) for t in choice.samples[k])
+    runner = timed.core.batch
+    assert runner.sliced_steps >= 3  # the slice's trial: each sample is one step's start to the next's
+    assert runner.compiled is not None and runner.compiled.replays >= 3
+    report = timed.core.stats.slice_choice
+    assert report is not None and report["chosen"] in ("slice", "paged")
+    assert timed.out.tokens["alone"] == paged.out.tokens["alone"]
+    assert timed.out.logprobs["alone"] == pytest.approx(paged.out.logprobs["alone"], abs=1e-4)
 
 
 def test_released_blocks_come_back_in_their_order():

@@ -95,9 +95,12 @@ def test_a_warm_up_traces_and_replays_a_compiled_decode_step(make_engine) -> Non
     assert compiled is not None
     assert {key[1] for key in compiled.graphs} >= {1, 3}  # traced at batch 3 and at batch 1
     assert compiled.replays > compiled.traces  # replayed after its traces, not only traced
-    # the lone row's last steps were read as one slice of the pool, and the rule is back on
-    assert h.core.batch.sliced_steps >= 2
-    assert h.core.batch.tables.runs is True
+    # the lone row's last steps were read as one slice of the pool, untimed: first-use
+    # compilation must not decide the engine's choice between the two paths
+    runner = h.core.batch
+    assert runner.sliced_steps >= 2
+    assert runner.force_slice is None
+    assert runner.slice_choice is not None and runner.slice_choice.samples == {True: [], False: []}
 
 
 def test_the_server_warms_up_before_it_reports_healthy(tiny_model_path: Path, tmp_path: Path) -> None:
@@ -136,4 +139,4 @@ def test_a_warm_up_leaves_the_slice_off_where_it_is_set_off(make_engine) -> None
     h = make_engine(prefill_step_size=2048, compile_decode=True, slice_decode=False)
     warm_up(h.core)
     assert h.core.batch.sliced_steps == 0
-    assert h.core.batch.tables.runs is False
+    assert h.core.batch.force_slice is None
