@@ -152,9 +152,8 @@ class Runner:
         replays = -1 if self.compiled is None else self.compiled.replays
         traces = -1 if self.compiled is None else self.compiled.traces
         logits = None if self.compiled is None else self.compiled.logits(plan, inputs)
-        if choosing:
-            replayed = self.compiled is not None and self.compiled.replays > replays
-            clean = sliced or (replayed and self.compiled is not None and self.compiled.traces == traces)
+        if choosing and self.compiled is not None:  # SliceChoice exists only where steps replay
+            clean = sliced or (self.compiled.replays > replays and self.compiled.traces == traces)
             self._lone = (sliced, clean, started)
         if logits is None:
             caches = decode_caches(plan, self.store.geometry.num_layers)
