@@ -1,7 +1,8 @@
 """A lone decoding row on consecutive blocks is attended as one slice of the pool
 (`engine.kv.attention.run_decode`, `DecodeTables(runs=True)`): the same tokens and logprobs as
-the paged path, never traced, and the allocator hands released runs back in order so that
-the next lone request is on consecutive blocks again.
+the paged path, never traced; the allocator gives a request one run of blocks wherever one
+is free (first fit), so that the next lone request is read as a slice even after a busy
+batch; and where steps are replayed, the engine times both paths and keeps the faster.
 
 Real engine on the tiny float32 model, greedy; the store's own planning, no mocks.
 """
@@ -101,8 +102,8 @@ def test_a_lone_row_times_both_paths_then_keeps_one_with_the_same_tokens(make_en
 
 
 def test_released_blocks_come_back_in_their_order():
-    """Released last to first, so a run is handed back as a run (the old allocator gave it
-    back reversed, and the next lone request was never one slice)."""
+    """A released run is handed back as a run (session 11's stack once gave it back
+    reversed, and the next lone request was never one slice)."""
     blocks = BlockAllocator(16)
     first = blocks.allocate(5)
     assert first == [0, 1, 2, 3, 4]
