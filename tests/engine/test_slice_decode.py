@@ -102,7 +102,7 @@ def test_a_lone_row_times_both_paths_then_keeps_one_with_the_same_tokens(make_en
 
 
 def test_released_blocks_come_back_in_their_order():
-    """A released run is handed back as a run (session 11's stack once gave it back
+    """A released run is handed back as a run (the free stack before session 11 gave it back
     reversed, and the next lone request was never one slice)."""
     blocks = BlockAllocator(16)
     first = blocks.allocate(5)
