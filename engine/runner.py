@@ -184,12 +184,14 @@ class Runner:
         interval since the last timed step is a sample when both took the same path and
         that one was clean (the slice, or a replay that traced nothing)."""
         choice = self.slice_choice
-        if self.force_slice is not None or choice is None or choice.chosen is not None:
-            if self.force_slice is not None:
-                self.tables.runs = self.force_slice
-            elif choice is not None:
-                self.tables.runs = bool(choice.chosen)
+        if self.force_slice is not None:
+            self.tables.runs = self.force_slice
             self._lone = None
+            return False
+        if choice is None:
+            return False
+        if choice.chosen is not None:
+            self.tables.runs = choice.chosen
             return False
         self.tables.keep(allocs)
         if not self.tables.lone_run:

@@ -9,9 +9,9 @@ pool, by MLX's fused SDPA (engine.kv.attention.run_decode); on one H200 machine 
 C=1 serving from about 160 to 181 tok/s (docs/throughput.md, session 12; on a slower host
 it lost, hence engine.slice_choice). A free list handed out in release order gave a
 request after any concurrent load pieces of several earlier requests' runs, so the slice
-never fired in a server that had been busy. So `allocate`
-takes the lowest run of free blocks that is long enough (first fit), and only when no such
-run exists, the lowest free blocks wherever they are.
+never fired in a server that had been busy. So `allocate` takes the lowest run of free
+blocks that is long enough (first fit), and only when no such run exists, the lowest free
+blocks wherever they are.
 """
 
 from __future__ import annotations
