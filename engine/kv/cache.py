@@ -120,7 +120,7 @@ class DecodePlan:
 class _GroupTables:
     rows: list[int]  # row indices into the batch
     rows_array: mx.array | None  # the same on the device; None = all rows, in order
-    table: np.ndarray  # [Bg, NB] int32 block tables, zero-padded
+    table: np.ndarray  # [Bg, NB] int32 block tables, zero-padded to `table_width`
     table_array: mx.array
     run_block: int | None  # one row on consecutive blocks: its first block (DecodeGroup.run_start)
 
@@ -179,7 +179,7 @@ class DecodeTables:
         self._groups = []
         for rows in by_segment.values():
             members = [allocs[i] for i in rows]
-            table = np.zeros((len(members), max(a.capacity for a in members)), dtype=np.int32)
+            table = np.zeros((len(members), table_width(max(a.capacity for a in members))), dtype=np.int32)
             for j, a in enumerate(members):
                 table[j, : a.capacity] = a.table
             run = members[0].table if len(members) == 1 else None
@@ -192,6 +192,14 @@ class DecodeTables:
             flat = np.concatenate([np.asarray(r) for r in by_segment.values()])
             self._order = mx.array(np.argsort(flat).astype(np.int32))
         self._allocs = [weakref.ref(a) for a in allocs]
+
+
+def table_width(capacity: int) -> int:
+    """A group's block-table width: its longest row's capacity rounded up to a power of two.
+    The width is in a traced decode graph's shapes (`engine.compiled_decode`), so requests
+    of nearby sizes share graphs instead of each tracing its own; the padding is never read
+    (attention stops at each row's length)."""
+    return 1 << max(capacity - 1, 0).bit_length()
 
 
 def _consecutive(blocks: list[int]) -> bool:

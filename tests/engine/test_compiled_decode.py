@@ -106,3 +106,31 @@ def test_compiled_decode_is_on_by_default_on_cuda_only_and_follows_the_setting(m
     assert (default.core.batch.compiled is not None) is (default.core.loaded.backend == "cuda")
     assert make_engine(compile_decode=True).core.batch.compiled is not None
     assert make_engine(compile_decode=False).core.batch.compiled is None
+
+
+def _lone(make_engine, max_tokens: list[int], **config: object):
+    """Requests of one prompt and different `max_tokens`, one after another, each alone."""
+    h = make_engine(prefill_step_size=64, prefix_cache_bytes=0, compile_after=2, slice_decode=False,
+                    **config)
+    traces = []
+    for i, n in enumerate(max_tokens):
+        params = SamplingParams(temperature=0.0, logprobs=True)
+        h.submit(EngineRequest(f"r{i}", tuple(range(3, 23)), n, params))
+        h.run_until(lambda i=i: f"r{i}" in h.out.finished)
+        traces.append(h.core.stats.decode_traces)
+    return h, traces
+
+
+def test_requests_of_nearby_sizes_replay_one_another_s_graphs(make_engine):
+    """A block table as wide as each request's capacity put that width in every graph's
+    shapes: a lone request 5 blocks long (20 + 60 tokens) and one 7 blocks long (20 + 92)
+    traced a graph each for the same context lengths. Rounded to a power of two, both
+    tables are 8 wide, and the second request traces only the block counts the first never
+    reached (the CPU's attention gathers by block count, so each count is a graph)."""
+    compiled, traces = _lone(make_engine, [60, 92], compile_decode=True)
+    eager, _ = _lone(make_engine, [60, 92], compile_decode=False)
+    assert traces[0] == 4  # 2, 3, 4 and 5 blocks read
+    assert traces[1] - traces[0] == 2  # only the 6- and 7-block reads are new
+    for rid in ("r0", "r1"):
+        assert compiled.out.tokens[rid] == eager.out.tokens[rid], rid
+        assert compiled.out.logprobs[rid] == pytest.approx(eager.out.logprobs[rid], abs=1e-4), rid
