@@ -201,6 +201,49 @@ def group_source(lanes: int = 8) -> str:
     return head + _GROUP_LOOP + tail
 
 
+_ENGINE_BLOCK = """\
+    for (int j0 = start + warp * U; j0 < end; j0 += WARPS * U) {
+        // U consecutive tokens per warp step: U % BS == 0 and j0 % U == 0 put them in one
+        // block, and their loads are all in flight before the first score is needed.
+        const int blk = table[b * nb + j0 / BS];"""
+_ENGINE_BLOCK_PREFETCHED = """\
+    int pre = 0;
+    int k = 0;
+    for (int j0 = start + warp * U; j0 < end; j0 += WARPS * U, ++k) {
+        // The next 32 steps' block ids in one load, lane i holding step k + i's, so the
+        // K/V loads no longer wait on a table load of their own.
+        if ((k & 31) == 0) {
+            const int jl = j0 + lane * WARPS * U;
+            pre = jl < end ? table[b * nb + jl / BS] : 0;
+        }
+        const int blk = __shfl_sync(0xffffffff, pre, k & 31);"""
+_PERHEAD_BLOCK = """\
+    for (int j = s * WARPS + warp; j < len; j += S * WARPS) {
+        const int blk = table[b * nb + j / BS];"""
+_PERHEAD_BLOCK_PREFETCHED = """\
+    int pre = 0;
+    int k = 0;
+    for (int j = s * WARPS + warp; j < len; j += S * WARPS, ++k) {
+        if ((k & 31) == 0) {
+            const int jl = j + lane * S * WARPS;
+            pre = jl < len ? table[b * nb + jl / BS] : 0;
+        }
+        const int blk = __shfl_sync(0xffffffff, pre, k & 31);"""
+
+
+def prefetch_source() -> str:
+    """The engine's kernel with its block ids loaded 32 steps at a time (session 13's
+    hypothesis): at batch 1 each warp step's K/V loads waited on a table load of their own,
+    two memory latencies in a row per step, where `sdpa_vector` has one."""
+    return _replaced(cuda_decode._SOURCE, ((_ENGINE_BLOCK, _ENGINE_BLOCK_PREFETCHED),))
+
+
+def perhead_prefetch_source() -> str:
+    """`bench.kernel_perhead`'s layout with the same prefetch: that layout is `sdpa_vector`'s
+    but for the table, so this alone separates the table's latency from everything else."""
+    return _replaced(kernel_perhead.SOURCE, ((_PERHEAD_BLOCK, _PERHEAD_BLOCK_PREFETCHED),))
+
+
 def group_fits(lanes: int, dtype: mx.Dtype, head_dim: int) -> bool:
     """A lane's D/lanes elements must fill whole 16-byte loads."""
     per_lane_bytes = head_dim // lanes * dtype.size
@@ -215,10 +258,14 @@ SOURCES: dict[str, tuple[str, Callable[[], str], Callable[[mx.Dtype, int], bool]
     "group16": ("headroom_paged_decode_group16", lambda: group_source(16),
                 lambda dt, d: group_fits(16, dt, d)),
     "perhead": ("headroom_paged_decode_perhead", lambda: kernel_perhead.SOURCE, lambda dt, d: True),
+    "prefetch": ("headroom_paged_decode_prefetch", prefetch_source, lambda dt, d: True),
+    "perhead_prefetch": ("headroom_paged_decode_perhead_prefetch", perhead_prefetch_source,
+                         lambda dt, d: True),
 }
 # A source kind with a launch of its own (grid, warps per block); the others take the engine's.
 _ENGINE_LAUNCH = (cuda_decode._launch, cuda_decode.WARPS)
-_LAUNCHES = {"perhead": (kernel_perhead.launch, kernel_perhead.WARPS)}
+_LAUNCHES = {"perhead": (kernel_perhead.launch, kernel_perhead.WARPS),
+             "perhead_prefetch": (kernel_perhead.launch, kernel_perhead.WARPS)}
 
 
 def launch_of(kind: str) -> tuple[Callable[..., cuda_decode._Launch], int]:
@@ -263,7 +310,10 @@ VARIANTS = [("current", BASE, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, "sc
             ("pmerge_vec_fine", FINE, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, "vector", "lanes"),
             # Session 12's: sdpa_vector's layout over the block table (bench.kernel_perhead).
             ("perhead", BASE, cuda_decode.TARGET_BLOCKS, 1, "perhead", "serial"),
-            ("perhead_lanes", BASE, cuda_decode.TARGET_BLOCKS, 1, "perhead", "lanes")]
+            ("perhead_lanes", BASE, cuda_decode.TARGET_BLOCKS, 1, "perhead", "lanes"),
+            # Session 13's: block ids loaded 32 steps at a time (`prefetch_source`).
+            ("prefetch", BASE, cuda_decode.TARGET_BLOCKS, cuda_decode.UNROLL, "prefetch", "serial"),
+            ("perhead_prefetch", BASE, cuda_decode.TARGET_BLOCKS, 1, "perhead_prefetch", "serial")]
 MERGES: dict[str, Callable[..., mx.array]] = {"serial": cuda_decode.merge_partitions,
                                              "lanes": kernel_merge.merge_partitions}
 
