@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from engine.kv import KVStore
+from engine.kv.prefill import needs_array_mask
 from engine.sequence import Sequence
 from memory import (
     AdmissionQuery,
@@ -307,6 +308,7 @@ class Admission:
         estimate = estimate_prefill(
             self.geometry, chunk_tokens=width, context_tokens=max(end - width, 0),
             batch=len(chunks), backend=self.backend,
+            masked=needs_array_mask([s.processed for s, _ in chunks], [n for _, n in chunks]),
         )
         return max(own, self.tracker.predict(width * len(chunks), estimate.total_bytes))
 

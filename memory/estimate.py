@@ -16,6 +16,10 @@ These are deliberately *upper bounds* that follow how mlx-lm actually computes:
   the fused q/k/v output lives until v is consumed, beside the rotated q and k, and the
   fused gate/up output cannot be reused for the activation (it is twice its size), so
   both are counted once more than the separate projections would need.
+- **The mask of a batched call** whose rows differ in start or length: an additive mask
+  B × C × (T+C) in the activation dtype, built from a boolean one of the same shape, both
+  live while the call is planned. It is passed as a broadcast view; a boolean mask would
+  be materialised across every query head in every layer on CUDA (``bench.prefill_mask``).
 - **Logits.** mlx-lm's prefill evaluates only the cache for all chunks but the last, and the
   final step computes logits for one token per sequence: B × vocab × 4 bytes.
 
@@ -218,9 +222,11 @@ def estimate_prefill(
     context_tokens: int,
     batch: int = 1,
     backend: str = "cpu",
+    masked: bool = False,
 ) -> PrefillEstimate:
     """Upper-bound the peak bytes of prefilling ``chunk_tokens`` after ``context_tokens``
-    already cached (see the module docstring for each term)."""
+    already cached (see the module docstring for each term). ``masked``: the call's rows
+    differ in start or length, so it carries an array mask of its own."""
     if chunk_tokens <= 0:
         raise ValueError("chunk_tokens must be positive")
     if context_tokens < 0 or batch <= 0:
@@ -246,6 +252,8 @@ def estimate_prefill(
         scores = b * g.num_heads * c * span * SCORE_BYTES
         mask = c * span  # boolean causal mask
         attention = 2 * scores + mask + qo
+    if masked:
+        attention += b * c * span * (dt + 1)  # the additive mask and its boolean source
 
     # Activations for C tokens.
     hidden = 4 * b * c * g.hidden_size * dt

@@ -12,7 +12,8 @@ Rows are right-padded to the longest chunk of the call: ``tokens`` is ``[B, T]``
 - supplies a per-row mask (row b's query t sees keys ``j <= starts[b] + t`` that are
   real) and per-row RoPE offsets (``starts``), which `mx.fast.rope` takes as an array.
   When every row has the same start and length (no padding), the mask is SDPA's
-  "causal", which keeps the fused kernel on backends that have one.
+  "causal", which costs nothing; otherwise it is additive, in the pool's dtype
+  (`additive_mask` says why not boolean).
 
 The attention itself is mlx-lm's ordinary masked SDPA. A batch of one keeps the
 single-request `PrefillCache` ("causal" mask, no padding): the fused path where a backend
@@ -47,7 +48,7 @@ class PrefillPlan:
     valid: mx.array  # [N] int32: real tokens' indices into the flattened [B × T]
     write: mx.array  # [N] int32: their slots in the segment
     read: mx.array  # [B, H, L] int32: rows of the pool seen as [slots × H, D]
-    mask: mx.array | str  # [B, 1, T, L] bool; "causal" when every row is the same shape
+    mask: mx.array | str  # [B, 1, T, L] additive, the pool's dtype; "causal" when every row is the same shape
 
 
 def plan_prefill(store: KVStore, rows: Seq[PrefillRow]) -> PrefillPlan:
@@ -78,15 +79,15 @@ def plan_prefill(store: KVStore, rows: Seq[PrefillRow]) -> PrefillPlan:
         write.append(own[starts[i]:])
     read = slots[:, None, :] * heads + np.arange(heads)[None, :, None]
     mask: mx.array | str
-    if (lengths == t).all() and (starts == starts[0]).all():
+    if not needs_array_mask(starts.tolist(), lengths.tolist()):
         # Rows of one shape (prompts of one length, say): SDPA's own causal mask aligns
-        # the queries to the end of the keys, which is exactly right, and keeps the fused
-        # kernel where the backend has one (an array mask falls off it on CUDA).
+        # the queries to the end of the keys, which is exactly right, and costs no memory.
         mask = "causal"
     else:
         q = np.arange(t)[None, :, None]
         k = np.arange(width)[None, None, :]
-        mask = mx.array(((k <= starts[:, None, None] + q) & (k < ends[:, None, None]))[:, None, :, :])
+        allowed = mx.array(((k <= starts[:, None, None] + q) & (k < ends[:, None, None]))[:, None, :, :])
+        mask = additive_mask(allowed, segment.keys[0].dtype)
     return PrefillPlan(
         segment=segment,
         inputs=mx.array(inputs),
@@ -96,6 +97,26 @@ def plan_prefill(store: KVStore, rows: Seq[PrefillRow]) -> PrefillPlan:
         read=mx.array(read.astype(np.int32)),
         mask=mask,
     )
+
+
+def needs_array_mask(starts: Seq[int], lengths: Seq[int]) -> bool:
+    """Whether a call's rows need a mask of their own: they differ in start or length.
+    Rows of one shape take SDPA's "causal" (the admission asks the same question to
+    predict the call, `engine.admission.Admission.batch_prediction`)."""
+    return len(set(starts)) > 1 or len(set(lengths)) > 1
+
+
+def additive_mask(allowed: mx.array, dtype: mx.Dtype) -> mx.array:
+    """`allowed` [B, 1, T, L] as 0 / -inf in the queries' dtype.
+
+    SDPA broadcasts a mask to every query head, [B, Hq, T, L]. A boolean one, where the
+    backend takes none (CUDA), it turns into an additive one with `where`, which
+    materialises that broadcast shape in every layer: 13.7 GB per layer for three rows of
+    2,048 tokens over 34,816, which ran the H200 out of memory under 40 long prompts
+    (`bench.prefill_mask`, docs/throughput.md, session 13). An additive mask of the
+    queries' dtype goes through as a broadcast view: B × T × L elements, once per call.
+    Every query row keeps at least its own key, so no row is all -inf."""
+    return mx.where(allowed, mx.array(0, dtype), mx.array(-float("inf"), dtype))
 
 
 class BatchPrefillCache:

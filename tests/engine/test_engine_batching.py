@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import math
 import random
 
 import mlx.core as mx
@@ -19,9 +20,10 @@ import pytest
 
 from engine import EngineRequest, SamplingParams
 from engine.logits_processor import LogitsProcessor
-from memory import MemoryGuard
+from memory import MemoryGuard, estimate_prefill
 from memory.ceiling import Tier
 from memory.probes.allocator import AllocatorProbe
+from memory.tracker import DEFAULT_MARGIN
 
 SHAPES = [(13, 9), (300, 17), (45, 5), (128, 24), (7, 12), (260, 3), (90, 20), (33, 15)]
 
@@ -127,6 +129,25 @@ def test_admission_asks_for_the_steps_whole_batch_of_chunks(make_engine):
     guard.configure(ceiling_bytes=1 << 40)
     h.run_until(lambda: len(h.out.finished) == 2)
     assert h.out.finished == {"b0": "length", "b1": "length"}
+
+
+def test_a_batch_of_rows_of_different_shapes_is_predicted_with_its_mask(make_engine):
+    """Chunks that differ in start or length run under an array mask of their own; the
+    batch's prediction is the estimate with that mask counted (`masked=True`), times the
+    tracker's margin. With the tracker forgotten, nothing else raises it (the two chunks'
+    own predictions summed are less)."""
+    h = make_engine(prefill_step_size=64, max_step_tokens=256, prefix_cache_bytes=0)
+    for i in range(2):
+        h.submit(EngineRequest(f"s{i}", tuple(random.Random(i).randrange(0, 256) for _ in range(900)), 4,
+                               SamplingParams(temperature=0.0)))
+    h.step()
+    admission = h.core.admission
+    a, b = h.core.prefilling
+    admission.tracker.reset()
+    masked = estimate_prefill(admission.geometry, chunk_tokens=64, context_tokens=a.processed,
+                              batch=2, backend=admission.backend, masked=True)
+    assert a.processed == b.processed  # same start: only the lengths differ below
+    assert admission.batch_prediction([(a, 64), (b, 40)]) == math.ceil(masked.total_bytes * DEFAULT_MARGIN)
 
 
 def test_only_a_steps_first_chunk_is_cut_short_by_the_budget(make_engine):

@@ -86,6 +86,20 @@ def test_fused_attention_table(head_dim: int, dtype_bytes: int, backend: str, fu
     assert fused_attention_available(g, backend) is fused
 
 
+@pytest.mark.parametrize("backend", ["cuda", "cpu"])
+def test_a_masked_batch_counts_its_additive_mask_and_the_boolean_it_came_from(backend) -> None:
+    """On CUDA the old estimate took a masked batch for fused attention and counted no mask
+    at all; three rows of 2,048 tokens over 34,816 ran the H200 out of memory there
+    (session 13). The mask the engine builds is B x C x (T+C) in the activation dtype,
+    plus its boolean source."""
+    g = geometry_from_config(LLAMA3_8B)
+    plain = estimate_prefill(g, chunk_tokens=2048, context_tokens=32768, batch=3, backend=backend)
+    masked = estimate_prefill(g, chunk_tokens=2048, context_tokens=32768, batch=3, backend=backend,
+                              masked=True)
+    assert masked.attention_bytes - plain.attention_bytes == 3 * 2048 * 34816 * (2 + 1)
+    assert masked.total_bytes - plain.total_bytes == 3 * 2048 * 34816 * 3
+
+
 def test_prefill_estimate_shape() -> None:
     g = geometry_from_config(LLAMA3_8B)
     cpu = estimate_prefill(g, chunk_tokens=2048, context_tokens=2048, backend="cpu")
