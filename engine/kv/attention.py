@@ -103,7 +103,7 @@ def plain_decode(
 ) -> mx.array:
     """Gather this group's slots of one layer, then one masked SDPA (CPU, Metal, reference)."""
     slots, heads, dim = keys.shape
-    read, mask = g.plain_indices(block_size, heads)
+    read, mask = g.plain_indices(block_size, heads, q.dtype)
     k = keys.reshape(slots * heads, dim)[read]  # [Bg, H, L, D]
     v = values.reshape(slots * heads, dim)[read]
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)

@@ -24,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import create_attention_mask
 
+from engine.kv.masks import additive_mask
 from engine.kv.store import Allocation, KVStore, Segment, slots_of
 
 
@@ -90,9 +91,10 @@ class DecodeGroup:
         """Blocks the plain path gathers per row: its graph's only use of the length."""
         return -(-self.max_length // block_size)
 
-    def plain_indices(self, block_size: int, kv_heads: int) -> tuple[mx.array, mx.array]:
+    def plain_indices(self, block_size: int, kv_heads: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """Indices into the pool seen as [slots × H, D], so that one gather yields K in
-        SDPA's [B, H, L, D] layout directly (no transposed copy), and the length mask."""
+        SDPA's [B, H, L, D] layout directly (no transposed copy), and the length mask,
+        additive in `dtype` (`engine.kv.masks.additive_mask` says why)."""
         if self.read is None:
             nb = self.plain_blocks(block_size)
             table = self.table[:, :nb]
@@ -101,7 +103,7 @@ class DecodeGroup:
             heads = mx.arange(kv_heads, dtype=mx.int32)
             self.read = slots[:, None, :] * kv_heads + heads[None, :, None]
             positions = mx.arange(nb * block_size, dtype=mx.int32)
-            self.mask = (positions[None, :] < self.lengths[:, None])[:, None, None, :]
+            self.mask = additive_mask((positions[None, :] < self.lengths[:, None])[:, None, None, :], dtype)
         assert self.mask is not None
         return self.read, self.mask
 

@@ -13,7 +13,7 @@ Rows are right-padded to the longest chunk of the call: ``tokens`` is ``[B, T]``
   real) and per-row RoPE offsets (``starts``), which `mx.fast.rope` takes as an array.
   When every row has the same start and length (no padding), the mask is SDPA's
   "causal", which costs nothing; otherwise it is additive, in the pool's dtype
-  (`additive_mask` says why not boolean).
+  (`engine.kv.masks.additive_mask` says why not boolean).
 
 The attention itself is mlx-lm's ordinary masked SDPA. A batch of one keeps the
 single-request `PrefillCache` ("causal" mask, no padding): the fused path where a backend
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from engine.kv.masks import additive_mask
 from engine.kv.store import Allocation, KVStore, Segment
 
 
@@ -104,19 +105,6 @@ def needs_array_mask(starts: Seq[int], lengths: Seq[int]) -> bool:
     Rows of one shape take SDPA's "causal" (the admission asks the same question to
     predict the call, `engine.admission.Admission.batch_prediction`)."""
     return len(set(starts)) > 1 or len(set(lengths)) > 1
-
-
-def additive_mask(allowed: mx.array, dtype: mx.Dtype) -> mx.array:
-    """`allowed` [B, 1, T, L] as 0 / -inf in the queries' dtype.
-
-    SDPA broadcasts a mask to every query head, [B, Hq, T, L]. A boolean one, where the
-    backend takes none (CUDA), it turns into an additive one with `where`, which
-    materialises that broadcast shape in every layer: 13.7 GB per layer for three rows of
-    2,048 tokens over 34,816, which ran the H200 out of memory under 40 long prompts
-    (`bench.prefill_mask`, docs/throughput.md, session 13). An additive mask of the
-    queries' dtype goes through as a broadcast view: B × T × L elements, once per call.
-    Every query row keeps at least its own key, so no row is all -inf."""
-    return mx.where(allowed, mx.array(0, dtype), mx.array(-float("inf"), dtype))
 
 
 class BatchPrefillCache:

@@ -105,6 +105,24 @@ def test_plain_paged_attention_matches_attention_over_each_row_alone():
         assert np.allclose(np.array(out[i : i + 1]), np.array(ref), atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_the_plain_paths_length_mask_is_additive_in_the_queries_dtype(dtype):
+    """A boolean mask is materialised across every query head on CUDA (`bench.prefill_mask`);
+    the plain decode path (the CPU, Metal, and CUDA shapes the kernel does not take) passes
+    0 / -inf in the queries' dtype: 0 up to each row's length, -inf past it."""
+    s = KVStore(GEO, block_size=16, segment_tokens=256)
+    allocs = []
+    for i, n in enumerate([5, 40, 17]):
+        allocs.append(s.reserve(f"m{i}", n + 4))
+        s.advance(f"m{i}", n)
+    (g,) = plan_decode(s, allocs).groups
+    _, mask = g.plain_indices(16, GEO.num_kv_heads, dtype)
+    assert mask.dtype == dtype and mask.shape == (3, 1, 1, 48)
+    m = np.array(mask.astype(mx.float32))[:, 0, 0]
+    for row, n in enumerate([6, 41, 18]):  # the new token included
+        assert (m[row, :n] == 0).all() and np.isneginf(m[row, n:]).all()
+
+
 def test_outgrowing_a_reservation_is_an_error_not_a_silent_copy():
     s = KVStore(GEO, block_size=16)
     s.reserve("a", 20)
