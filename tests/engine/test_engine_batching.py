@@ -150,6 +150,24 @@ def test_a_batch_of_rows_of_different_shapes_is_predicted_with_its_mask(make_eng
     assert admission.batch_prediction([(a, 64), (b, 40)]) == math.ceil(masked.total_bytes * DEFAULT_MARGIN)
 
 
+def test_ragged_batches_take_no_more_than_was_predicted_for_them(make_engine):
+    """Prompts of four lengths prefill in shared calls whose rows differ in start and
+    length (array masks). Every call's measured peak stays under the prediction the guard
+    was asked about: the invariant that failed on CUDA in session 13, here on the CPU's
+    attention (which has no fused path: its estimate counts the scores)."""
+    gc.collect()
+    mx.clear_cache()
+    h = make_engine(prefill_step_size=64, max_step_tokens=256, prefix_cache_bytes=0)
+    for i, n in enumerate((300, 170, 90, 45)):
+        h.submit(EngineRequest(f"g{i}", tuple(random.Random(i).randrange(0, 256) for _ in range(n)), 2,
+                               SamplingParams(temperature=0.0)))
+    h.run_until(lambda: len(h.out.finished) == 4)
+    stats = h.core.stats
+    assert stats.prefill_calls < stats.prefill_chunks  # some calls ran several prompts' chunks
+    chunks = h.core.admission.recent_chunks()
+    assert chunks and all(0 < c.measured_bytes <= c.predicted_bytes for c in chunks), chunks
+
+
 def test_only_a_steps_first_chunk_is_cut_short_by_the_budget(make_engine):
     """Three 100-token prompts under a 250-token step budget: the first two run whole in
     one call, and the third waits for the next step rather than run a remnant beside them
