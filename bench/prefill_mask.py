@@ -28,18 +28,20 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from engine.kv.masks import additive_mask
+
 
 def masks(rows: int, chunk: int, context: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
-    """A boolean mask and its additive twin for rows whose chunks end `chunk` tokens after
-    starts a few tokens apart (so no row is the same shape as the first: an array mask)."""
+    """A boolean mask and its additive twin (the engine's `additive_mask`, what batched
+    prefill passes) for rows whose chunks end `chunk` tokens after starts a few tokens
+    apart (so no row is the same shape as the first: an array mask)."""
     starts = np.asarray([context - chunk - 7 * i for i in range(rows)])
     ends = starts + chunk - np.arange(rows)  # lengths differ too: right padding
     q = np.arange(chunk)[None, :, None]
     k = np.arange(context)[None, None, :]
     allowed = ((k <= starts[:, None, None] + q) & (k < ends[:, None, None]))[:, None, :, :]
     boolean = mx.array(allowed)
-    additive = mx.where(boolean, mx.array(0, dtype), mx.array(-float("inf"), dtype))
-    return boolean, additive
+    return boolean, additive_mask(boolean, dtype)
 
 
 def measure(rows: int, chunk: int, context: int, q_heads: int, kv_heads: int, head_dim: int,
