@@ -63,6 +63,7 @@ class EngineConfig:
     # decode steps are eager; where they are replayed, whichever of the slice and the graph
     # stepped faster on this machine's first lone rows (engine.slice_choice): on two H200
     # machines the slice won by 13 % and lost by 6 % at C=1 (docs/throughput.md, session 12).
+    # The kept path stays watched: on a third the slice won its trial, then slowed to 1.8x.
     slice_decode: bool | None = None
     # Run a few small requests before serving, so that first-use kernel compilation is not
     # paid inside users' requests (engine.warmup). None: on for CUDA, where it was measured.

@@ -180,9 +180,10 @@ class Runner:
         ]
 
     def _choose_path(self, allocs: list[Allocation], now: float) -> bool:
-        """Set this step's slice rule; True when the step is one SliceChoice is timing. The
-        interval since the last timed step is a sample when both took the same path and
-        that one was clean (the slice, or a replay that traced nothing)."""
+        """Set this step's slice rule; True when the step is one SliceChoice times (a trial
+        step, or one of the chosen path's, which stays watched). The interval since the last
+        timed step is a sample when both took the same path and that one was clean (the
+        slice, or a replay that traced nothing)."""
         choice = self.slice_choice
         if self.force_slice is not None:
             self.tables.runs = self.force_slice
@@ -190,22 +191,19 @@ class Runner:
             return False
         if choice is None:
             return False
-        if choice.chosen is not None:
-            self.tables.runs = choice.chosen
-            return False
         self.tables.keep(allocs)
         if not self.tables.lone_run:
             self._lone = None
+            if choice.chosen is not None:
+                self.tables.runs = choice.chosen
             return False
         sliced = choice.next_sliced()
         last = self._lone
         if last is not None and last[0] == sliced and last[1]:
+            before = choice.chosen
             choice.record(sliced, now - last[2])
-            if choice.chosen is not None:
+            if choice.chosen != before:
                 log.info("lone-row decode path, timed on this machine: %s", choice.report())
-                self.tables.runs = choice.chosen
-                self._lone = None
-                return False
             sliced = choice.next_sliced()  # the slice's samples may be in: on to the graph
         self.tables.runs = sliced
         return True

@@ -74,7 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--slice-decode", action=argparse.BooleanOptionalAction, default=None,
                        help="attend a lone decoding row on consecutive KV blocks as one slice of the "
                        "pool by MLX's fused SDPA, stepped eagerly (default: always where steps are "
-                       "eager; where they are replayed, the faster path as timed on the first lone rows)")
+                       "eager; where they are replayed, the faster path as timed on the first lone rows, and "
+                       "timed again when the kept one slows)")
     serve.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
                        help="run a few small requests before serving, so first-use kernel compilation "
                        "is not paid inside requests (default: on CUDA only)")

@@ -81,7 +81,8 @@ class Settings(BaseSettings):
         None, description="attend a lone decoding row on consecutive KV blocks as one slice of "
         "the pool, by MLX's fused SDPA, stepped eagerly (engine.kv.attention.run_decode; None: "
         "always where decode steps are eager, and where they are replayed, whichever of the two "
-        "paths steps faster on the first lone rows, engine.slice_choice)",
+        "paths steps faster on the first lone rows, timed again when the kept one slows, "
+        "engine.slice_choice)",
     )
     warm_up: bool | None = Field(
         None, description="run a few small requests before serving (None: on CUDA; engine.warmup)"

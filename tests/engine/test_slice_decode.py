@@ -101,6 +101,32 @@ def test_a_lone_row_times_both_paths_then_keeps_one_with_the_same_tokens(make_en
     assert timed.out.logprobs["alone"] == pytest.approx(paged.out.logprobs["alone"], abs=1e-4)
 
 
+def test_the_chosen_path_stays_watched_and_a_slow_window_times_both_again(make_engine):
+    """After the choice the engine keeps timing the kept path's steps; a window slower than
+    the other path's trial starts a new trial of both. A negative margin makes every window
+    count as slow, so that the wiring shows on a CPU whose two paths cost about the same."""
+    timed = make_engine(prefill_step_size=64, prefix_cache_bytes=0, compile_decode=True, compile_after=1)
+    timed.core.batch.slice_choice = choice = SliceChoice(trial_steps=3, watch_steps=4, retry_margin=-1.0)
+    paged = make_engine(prefill_step_size=64, prefix_cache_bytes=0, compile_decode=True, compile_after=1,
+                        slice_decode=False)
+    for h in (timed, paged):
+        h.submit(_request("alone", 30, 60, 3))
+        h.run_until(lambda h=h: "alone" in h.out.finished)
+    assert choice.retrials >= 2  # chosen, watched for a window, timed again, chosen again
+    assert choice.last_retrial is not None and choice.last_retrial["window_ms"] > 0
+    assert timed.core.stats.slice_choice["retrials"] == choice.retrials
+    assert timed.out.tokens["alone"] == paged.out.tokens["alone"]  # switching paths changes nothing
+    assert timed.out.logprobs["alone"] == pytest.approx(paged.out.logprobs["alone"], abs=1e-4)
+
+
+def test_a_chosen_path_within_the_margin_is_kept(make_engine):
+    h = make_engine(prefill_step_size=64, prefix_cache_bytes=0, compile_decode=True, compile_after=1)
+    h.core.batch.slice_choice = choice = SliceChoice(trial_steps=3, watch_steps=4, retry_margin=100.0)
+    h.submit(_request("alone", 30, 60, 3))
+    h.run_until(lambda: "alone" in h.out.finished)
+    assert choice.chosen is not None and choice.retrials == 0
+
+
 def test_released_blocks_come_back_in_their_order():
     """A released run is handed back as a run (the free stack before session 11 gave it back
     reversed, and the next lone request was never one slice)."""
