@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from engine import backend_name
 from memory import Tier
 from server.errors import BadRequest, ServiceUnavailable
+from server.malloc import running_allocator
 from server.model_fit import fit_json
 from server.schemas import MemoryGuardUpdate
 from server.state import ServerState, get_state
@@ -43,6 +44,7 @@ async def get_version() -> dict[str, str]:
         "mlx": _version("mlx"),
         "mlx_lm": _version("mlx-lm"),
         "backend": backend_name(),
+        "malloc": running_allocator(),  # "jemalloc" or "system" (server.malloc)
     }
 
 

@@ -22,6 +22,7 @@ from server.errors import install_error_handlers
 from server.history import History
 from server.host_guard import HostGuardMiddleware, HostPolicy
 from server.limits import BodyLimitMiddleware
+from server.malloc import running_allocator
 from server.metrics import Metrics
 from server.metrics import router as metrics_router
 from server.model_fit import LoadAdmission
@@ -113,7 +114,7 @@ def create_app(
         await engine.start()
         if pool is not None:
             await pool.start()
-        log.info("ready: serving %s", state.model_name)
+        log.info("ready: serving %s (memory allocator: %s)", state.model_name, running_allocator())
         history.start()
         yield
         await history.stop()

@@ -76,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
                        "pool by MLX's fused SDPA, stepped eagerly (default: always where steps are "
                        "eager; where they are replayed, the faster path as timed on the first lone rows, and "
                        "timed again when the kept one slows)")
+    serve.add_argument("--malloc", choices=["auto", "system"],
+                       help="auto (default): on Linux, serve on jemalloc where it is installed, which cut "
+                       "the engine's host work per decode step by about a third; system: the C library's")
     serve.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
                        help="run a few small requests before serving, so first-use kernel compilation "
                        "is not paid inside requests (default: on CUDA only)")
@@ -166,6 +169,7 @@ def _check_serve_flags(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from_command_line = argv is None  # only then is this process's own command line ours to re-run
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["service"]:
         from server.service import main as service_main
@@ -193,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from server.access_log import configure_logging
 
+    if from_command_line:
+        from server.malloc import serve_on_jemalloc
+
+        serve_on_jemalloc(settings.malloc)  # returns only where it does not re-execute
     configure_logging(settings.log_level)
     if (settings.tensor_parallel > 1 or settings.hostfile) and "MLX_RANK" not in os.environ:
         from engine.distributed import launcher

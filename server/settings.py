@@ -96,6 +96,10 @@ class Settings(BaseSettings):
         "in ms: the engine thread and the HTTP thread share one GIL, and a thread waiting for it "
         "waits up to this long before the holder is made to let go",
     )
+    malloc: Literal["auto", "system"] = Field(
+        "auto", description="auto: on Linux, serve on jemalloc where it is installed (the process "
+        "re-executes itself once with it in LD_PRELOAD; server.malloc); system: the C library's",
+    )
     default_max_tokens: int = Field(512, ge=1)
     max_tokens_cap: int = Field(32768, ge=1)
     shutdown_grace_s: float = Field(30.0, ge=0)
