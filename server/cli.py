@@ -171,6 +171,10 @@ def _check_serve_flags(argv: list[str]) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     from_command_line = argv is None  # only then is this process's own command line ours to re-run
     argv = list(sys.argv[1:] if argv is None else argv)
+    if from_command_line and argv[:1] == ["serve"]:
+        from server.malloc import early_choice, serve_on_jemalloc
+
+        serve_on_jemalloc(early_choice(argv, dict(os.environ)))  # returns where it does not re-execute
     if argv[:1] == ["service"]:
         from server.service import main as service_main
 
@@ -198,9 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     from server.access_log import configure_logging
 
     if from_command_line:
-        from server.malloc import serve_on_jemalloc
+        from server.malloc import leave_jemalloc
 
-        serve_on_jemalloc(settings.malloc)  # returns only where it does not re-execute
+        leave_jemalloc(settings.malloc)
     configure_logging(settings.log_level)
     if (settings.tensor_parallel > 1 or settings.hostfile) and "MLX_RANK" not in os.environ:
         from engine.distributed import launcher

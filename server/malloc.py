@@ -59,6 +59,30 @@ def reexec_env(choice: str, environ: dict[str, str], platform: str = sys.platfor
     return {**environ, "LD_PRELOAD": preload, CHOSEN: "1"}
 
 
+def early_choice(argv: list[str], environ: dict[str, str]) -> str:
+    """The `--malloc` choice from the command line or the environment, read before anything
+    else is imported: a re-execution after the settings are parsed cost 1.1 s of start-up.
+    An env file's choice is honoured later (`leave_jemalloc`)."""
+    for i, arg in enumerate(argv):
+        if arg == "--malloc" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--malloc="):
+            return arg.partition("=")[2]
+    return environ.get("MLX_HEADROOM_MALLOC", "auto").lower()
+
+
+def leave_jemalloc(choice: str) -> None:
+    """The parsed settings say `system` where the early choice preloaded jemalloc (an env
+    file's MALLOC=system): re-execute once more without it."""
+    if choice != "system" or os.environ.get(CHOSEN) != "1":
+        return
+    kept = " ".join(p for p in os.environ.get("LD_PRELOAD", "").split() if "libjemalloc" not in p)
+    env = {**os.environ, "LD_PRELOAD": kept, CHOSEN: "system"}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
 def serve_on_jemalloc(choice: str) -> None:
     """Re-execute this process on jemalloc if `choice` is "auto" and the machine has it;
     returns only when it does not."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 
-from server.malloc import CHOSEN, find_jemalloc, reexec_env
+from server.malloc import CHOSEN, early_choice, find_jemalloc, reexec_env
 
 LIB = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
 
@@ -31,6 +31,13 @@ def test_system_macos_an_existing_preload_or_no_library_leave_the_process_alone(
     assert find_jemalloc(("/nonexistent",)) is None
 
 
+def test_the_choice_is_read_from_the_command_line_before_the_environment() -> None:
+    assert early_choice(["serve", "--malloc", "system"], {}) == "system"
+    assert early_choice(["serve", "--malloc=system"], {"MLX_HEADROOM_MALLOC": "auto"}) == "system"
+    assert early_choice(["serve"], {"MLX_HEADROOM_MALLOC": "SYSTEM"}) == "system"
+    assert early_choice(["serve", "--port", "1"], {}) == "auto"
+
+
 def test_the_server_runs_on_jemalloc_in_its_own_process(start_server) -> None:
     assert find_jemalloc() is not None, "libjemalloc2 is not installed (.ci/run installs it)"
     srv = start_server()
@@ -47,3 +54,12 @@ def test_malloc_system_keeps_the_c_librarys(start_server) -> None:
     assert httpx.get(srv.url + "/v1/version").json()["malloc"] == "system"
     assert not _mapped(srv.proc.pid)
     assert "memory allocator: system" in srv.log()
+
+
+def test_an_env_files_malloc_system_is_honoured(start_server, tmp_path) -> None:
+    """The early choice cannot see an env file; the parsed settings undo its preload."""
+    env_file = tmp_path / "env"
+    env_file.write_text("MLX_HEADROOM_MALLOC=system\n")
+    srv = start_server(args=["--env-file", str(env_file)])
+    assert httpx.get(srv.url + "/v1/version").json()["malloc"] == "system"
+    assert not _mapped(srv.proc.pid)
