@@ -18,6 +18,7 @@ where no jemalloc is installed (Debian and Ubuntu: `libjemalloc2`).
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -36,8 +37,10 @@ def find_jemalloc(dirs: tuple[str, ...] = SEARCH_DIRS) -> str | None:
     return None
 
 
+@functools.cache
 def running_allocator() -> str:
-    """"jemalloc" when this process has it mapped, else "system"."""
+    """"jemalloc" when this process has it mapped, else "system". Read once: a process's
+    allocator is fixed from its start, and its memory map runs to thousands of lines."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
@@ -77,10 +80,7 @@ def leave_jemalloc(choice: str) -> None:
     if choice != "system" or os.environ.get(CHOSEN) != "1":
         return
     kept = " ".join(p for p in os.environ.get("LD_PRELOAD", "").split() if "libjemalloc" not in p)
-    env = {**os.environ, "LD_PRELOAD": kept, CHOSEN: "system"}
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    _reexec({**os.environ, "LD_PRELOAD": kept, CHOSEN: "system"})
 
 
 def serve_on_jemalloc(choice: str) -> None:
@@ -89,6 +89,11 @@ def serve_on_jemalloc(choice: str) -> None:
     env = reexec_env(choice, dict(os.environ))
     if env is None or running_allocator() == "jemalloc":
         return
+    _reexec(env)
+
+
+def _reexec(env: dict[str, str]) -> None:
+    """This process again, same pid and command line, in `env`."""
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
