@@ -28,6 +28,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from bench import scenarios
 from bench.scenarios import Sizes
 from bench.servers import ROOT, Server, stop_all
@@ -284,7 +286,7 @@ async def main_async(args: argparse.Namespace) -> Path:
     model_info = {k: v for k, v in info["model"].items() if k != "config"}
     run = Run(args.out_dir / f"{name}.json", {
         "run": name, "mode": args.mode, "argv": sys.argv[1:], "started_at": stamp,
-        "loadavg_at_start": _loadavg(),
+        "loadavg_at_start": _loadavg(), "bench_ld_preload": os.environ.get("LD_PRELOAD"),
         "machine": info["machine"], "versions": info["versions"], "model": model_info,
         "model_config": info["model"]["config"], "bandwidth": info.get("bandwidth"),
         "settings": {"sizes": dataclasses.asdict(sizes), "scenarios": selected, "servers": servers,
@@ -349,6 +351,7 @@ async def _run_ours(run: Run, selected: list[str], sizes: Sizes, model: str, dty
         server = _ours(log_dir, env, model, dtype, args.ours_arg, args.ours_kernel_variant)
 
         async def body() -> None:
+            run.data["ours_version"] = await _version(server)  # names the allocator it runs on
             run.record("warmup", "ours", await scenarios.warmup(server, OURS_NAME, sizes.concurrency))
             if "throughput" in selected:
                 await run.scenario("throughput", server,
@@ -372,6 +375,15 @@ async def _run_ours(run: Run, selected: list[str], sizes: Sizes, model: str, dty
                                lambda: scenarios.memory_pressure(server, OURS_NAME, sizes))
 
         await _with_server(server, mode.startup_timeout_s, run, pressure)
+
+
+async def _version(server: Server) -> dict[str, Any] | None:
+    try:
+        async with httpx.AsyncClient(headers=server.headers) as client:
+            r = await client.get(server.url + "/v1/version", timeout=5.0)
+        return r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
 
 
 async def _run_mlx_lm(run: Run, selected: list[str], sizes: Sizes, model: str, dtype: str,

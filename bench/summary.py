@@ -43,6 +43,10 @@ def compact(data: dict[str, Any]) -> str:
         lines.append(f"bare model: best prefill {b.get('best_prefill_tok_s')} tok/s "
                      f"(batch {b.get('best_prefill_batch')}); decode step at {b.get('decode_context')} "
                      f"tokens of context: {steps}")
+    version = data.get("ours_version") or {}
+    if version:
+        lines.append(f"ours: malloc {version.get('malloc')}, mlx {version.get('mlx')}; "
+                     f"bench process LD_PRELOAD={data.get('bench_ld_preload') or '-'}")
     lines.append("C  mode   run  | bound tok/s | ours tok/s (frac) ok/drop | mlx_lm tok/s (frac) ok/drop "
                  "| ours TTFT p50/p95 ms | ours TPOT p50/p95 ms, steady p50 (x bare step) "
                  "| mlx_lm TTFT p50 / TPOT p50 "
