@@ -14,6 +14,13 @@ held 5.8 (docs/throughput.md, session 14). So the chosen path stays watched: eac
 `WATCH_STEPS` samples is compared with the other path's trial, and a window slower than that
 by `RETRY_MARGIN` times both paths again.
 
+The two paths take turns during a trial, `TRIAL_TURN` samples at a time, in the order slice,
+graph, graph, slice (and again): a host whose speed drifts while the trial runs then weighs
+on both paths alike. A trial that timed the slice's 24 steps first and the graph's next
+confounded the path with the moment. On one H200 host it kept the graph (5.47 against
+5.78 ms), and then the graph stepped in 5.6-5.8 ms. Forced, the same host's slice stepped
+in 5.3-5.4 ms in three windows of four (docs/throughput.md, session 15).
+
 A sample is the time from one step's start to the next's, between two steps of the same
 path (so a step in flight from the other path is not counted), and for the graph only
 between replays (not the eager steps before a trace, nor the trace).
@@ -25,6 +32,8 @@ import statistics
 from dataclasses import dataclass, field
 
 TRIAL_STEPS = 24  # samples per path: 48 steps, a fifth of one 256-token request
+TRIAL_TURN = 6  # samples per turn: slice, graph, graph, slice, ... (4 turns each)
+TURNS = (True, False, False, True)  # ABBA: a steady drift cancels in each group of four
 WATCH_STEPS = 64  # samples of the chosen path per comparison with the other's trial
 RETRY_MARGIN = 0.10  # a window this much slower than the other path's trial: time both again
 
@@ -32,6 +41,7 @@ RETRY_MARGIN = 0.10  # a window this much slower than the other path's trial: ti
 @dataclass
 class SliceChoice:
     trial_steps: int = TRIAL_STEPS
+    trial_turn: int = TRIAL_TURN
     watch_steps: int = WATCH_STEPS
     retry_margin: float = RETRY_MARGIN
     samples: dict[bool, list[float]] = field(default_factory=lambda: {True: [], False: []})
@@ -41,11 +51,14 @@ class SliceChoice:
     last_retrial: dict[str, object] | None = None  # the window that started the latest one
 
     def next_sliced(self) -> bool:
-        """The path for the next lone-row step: the chosen one, else the slice until its
-        samples are in, then the graph."""
+        """The path for the next lone-row step: the chosen one, else the path whose turn it
+        is in the trial (a path whose samples are all in gives its turns to the other)."""
         if self.chosen is not None:
             return self.chosen
-        return len(self.samples[True]) < self.trial_steps
+        sliced, paged = (len(self.samples[k]) for k in (True, False))
+        if sliced >= self.trial_steps or paged >= self.trial_steps:
+            return sliced < self.trial_steps
+        return TURNS[(sliced + paged) // max(self.trial_turn, 1) % len(TURNS)]
 
     def record(self, sliced: bool, seconds: float) -> None:
         if self.chosen is not None:

@@ -1,5 +1,5 @@
-"""engine.slice_choice: the slice is timed first, then the graph, and the faster is kept while
-it stays faster."""
+"""engine.slice_choice: the two paths take turns in a trial (slice, graph, graph, slice), and
+the faster is kept while it stays faster."""
 
 from __future__ import annotations
 
@@ -15,9 +15,30 @@ def _run(choice: SliceChoice, slice_s: float, paged_s: float) -> list[bool]:
     return paths
 
 
-def test_the_slice_is_timed_first_then_the_graph():
-    choice = SliceChoice(trial_steps=4)
-    assert _run(choice, 0.005, 0.006) == [True] * 4 + [False] * 4
+def test_the_paths_take_turns_slice_graph_graph_slice():
+    choice = SliceChoice(trial_steps=4, trial_turn=2)
+    assert _run(choice, 0.005, 0.006) == [True] * 2 + [False] * 4 + [True] * 2
+    assert choice.samples == {True: [0.005] * 4, False: [0.006] * 4}
+
+
+def test_a_path_whose_samples_are_in_gives_its_turns_to_the_other():
+    choice = SliceChoice(trial_steps=3, trial_turn=2)
+    assert _run(choice, 0.005, 0.006) == [True] * 2 + [False] * 3 + [True]
+
+
+def test_a_host_that_speeds_up_during_the_trial_does_not_decide_it():
+    """The host is slow at first (just after a prefill, say) and gets faster while the trial
+    runs. The slice is 5 % faster at every moment, so it must win; timed first and alone it
+    would take the slow moments and lose to the graph."""
+    steps = 48
+    choice = SliceChoice(trial_steps=24)
+    k = 0
+    while choice.chosen is None:
+        sliced = choice.next_sliced()
+        host = 1.0 + 0.3 * (1 - k / steps)  # 30 % slower at the start, down to none
+        choice.record(sliced, (0.0055 if sliced else 0.0058) * host)
+        k += 1
+    assert choice.chosen is True, choice.report()
 
 
 def test_the_faster_path_is_kept_with_its_numbers():

@@ -83,14 +83,14 @@ def test_the_slice_is_on_where_steps_are_eager_and_timed_where_they_are_replayed
 
 def test_a_lone_row_times_both_paths_then_keeps_one_with_the_same_tokens(make_engine):
     timed = make_engine(prefill_step_size=64, prefix_cache_bytes=0, compile_decode=True, compile_after=1)
-    timed.core.batch.slice_choice = choice = SliceChoice(trial_steps=3)
+    timed.core.batch.slice_choice = choice = SliceChoice(trial_steps=4, trial_turn=2)  # S G G S
     paged = make_engine(prefill_step_size=64, prefix_cache_bytes=0, compile_decode=True, compile_after=1,
                         slice_decode=False)
     for h in (timed, paged):
         h.submit(_request("alone", 30, 40, 3))
         h.run_until(lambda h=h: "alone" in h.out.finished)
     assert choice.chosen is not None
-    assert [len(choice.samples[k]) for k in (True, False)] == [3, 3]
+    assert [len(choice.samples[k]) for k in (True, False)] == [4, 4]
     assert all(t > 0 for k in (True, False) for t in choice.samples[k])
     runner = timed.core.batch
     assert runner.sliced_steps >= 3  # the slice's trial: each sample is one step's start to the next's
