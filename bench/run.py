@@ -33,6 +33,7 @@ import httpx
 from bench import scenarios
 from bench.scenarios import Sizes
 from bench.servers import ROOT, Server, stop_all
+from server.malloc import early_choice, reexec_env
 
 SCENARIOS = ("throughput", "guard", "prefix", "pressure")
 SERVERS = ("ours", "mlx_lm")
@@ -100,6 +101,22 @@ def _machine(model: str, dtype: str, bandwidth_bytes: int, env: dict[str, str]) 
     out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True,
                          check=True, timeout=600)
     return dict(json.loads(out.stdout))
+
+
+def bound_allocator(env: dict[str, str], ours_args: list[str], ours_env: dict[str, str],
+                    library: str | None = None) -> tuple[dict[str, str], str]:
+    """The bound's environment, on the allocator our server will run on, and that allocator's
+    name. The bare step is host-paced, and the allocator moves it: on one H200 it read 4.17
+    and 6.34 ms six minutes apart on glibc, and 4.93-4.98 ms in three runs on jemalloc
+    (docs/throughput.md, session 15). So a bound on glibc beside a server on jemalloc (the
+    `serve` default where Linux has it) would flatter us whenever glibc had a slow moment."""
+    server_env = {**os.environ, **env, **ours_env}
+    if "libjemalloc" in server_env.get("LD_PRELOAD", ""):
+        return {**env, "LD_PRELOAD": server_env["LD_PRELOAD"]}, "jemalloc"
+    chosen = reexec_env(early_choice(ours_args, server_env), server_env, library=library)
+    if chosen is None:
+        return env, "system"
+    return {**env, "LD_PRELOAD": chosen["LD_PRELOAD"]}, "jemalloc"
 
 
 def _bound(model: str, dtype: str, sizes: Sizes, env: dict[str, str]) -> dict[str, Any]:
@@ -299,7 +316,9 @@ async def main_async(args: argparse.Namespace) -> Path:
     if "throughput" in selected and not args.no_bound:
         print("[bench] measuring the bare model's bound ...", file=sys.stderr, flush=True)
         try:
-            run.data["bound"] = await asyncio.to_thread(_bound, model, dtype, sizes, env)
+            bound_env, run.data["bound_malloc"] = bound_allocator(
+                env, args.ours_arg, _env_pairs(args.ours_env))
+            run.data["bound"] = await asyncio.to_thread(_bound, model, dtype, sizes, bound_env)
         except (subprocess.SubprocessError, ValueError) as exc:
             run.data["errors"].append(f"bound: {exc}")
         run.save()

@@ -46,6 +46,7 @@ def compact(data: dict[str, Any]) -> str:
     version = data.get("ours_version") or {}
     if version:
         lines.append(f"ours: malloc {version.get('malloc')}, mlx {version.get('mlx')}; "
+                     f"the bound's malloc {data.get('bound_malloc') or '-'}; "
                      f"bench process LD_PRELOAD={data.get('bench_ld_preload') or '-'}")
     lines.append("C  mode   run  | bound tok/s | ours tok/s (frac) ok/drop | mlx_lm tok/s (frac) ok/drop "
                  "| ours TTFT p50/p95 ms | ours TPOT p50/p95 ms, steady p50 (x bare step) "
