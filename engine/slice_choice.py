@@ -18,7 +18,7 @@ The two paths take turns during a trial, `TRIAL_TURN` samples at a time, in the 
 graph, graph, slice (and again): a host whose speed drifts while the trial runs then weighs
 on both paths alike. A trial that timed the slice's 24 steps first and the graph's next
 confounded the path with the moment. On one H200 host it kept the graph (5.47 against
-5.78 ms), and then the graph stepped in 5.6-5.8 ms. Forced, the same host's slice stepped
+5.78 ms), and then the graph stepped in 5.6-6.0 ms. Forced, the same host's slice stepped
 in 5.3-5.4 ms in three windows of four (docs/throughput.md, session 15).
 
 A sample is the time from one step's start to the next's, between two steps of the same
