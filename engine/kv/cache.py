@@ -24,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import create_attention_mask
 
+from engine.kv.device_vectors import device_vector
 from engine.kv.masks import additive_mask
 from engine.kv.store import Allocation, KVStore, Segment, slots_of
 
@@ -167,11 +168,11 @@ class DecodeTables:
             pos = positions if t.rows_array is None else positions[t.rows]
             write = t.table[np.arange(len(pos)), pos // bs] * bs + pos % bs
             groups.append(DecodeGroup(
-                segment=allocs[t.rows[0]].segment, rows=t.rows_array, write=mx.array(write),
-                table=t.table_array, lengths=mx.array(pos + 1), max_length=int(pos.max()) + 1,
+                segment=allocs[t.rows[0]].segment, rows=t.rows_array, write=device_vector(write),
+                table=t.table_array, lengths=device_vector(pos + 1), max_length=int(pos.max()) + 1,
                 run_start=None if t.run_block is None or not self.runs else t.run_block * bs,
             ))
-        return DecodePlan(groups, mx.array(positions), self._order, bs)
+        return DecodePlan(groups, device_vector(positions), self._order, bs)
 
     def _build(self, allocs: list[Allocation]) -> None:
         by_segment: dict[int, list[int]] = {}

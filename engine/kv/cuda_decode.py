@@ -26,6 +26,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.kv.device_vectors import device_vector
+
 WARPS = 4
 UNROLL = 4  # tokens per warp step (1 = one token at a time, the first version)
 PARTITIONS = (64, 256, 1024, 4096, 16384, 65536, 262144)
@@ -253,7 +255,7 @@ def _launch(b: int, hq: int, h: int, d: int, part: int, parts: int, dtype: mx.Dt
                   ("WARPS", WARPS), ("U", u)],
         grid=(32 * WARPS * b * h, parts, 1),
         output_shapes=[(b, hq, parts, d), (b, hq, parts), (b, hq, parts)],
-        part=mx.array([part], dtype=mx.int32),
+        part=device_vector([part]),
     )
 
 
@@ -273,7 +275,7 @@ def paged_decode(
     launch = _launch(b, hq, h, d, *partition_split(b, h, max_length), q.dtype, block_size, UNROLL)
     sc = _scales.get(scale)
     if sc is None:
-        sc = _scales[scale] = mx.array([scale], dtype=mx.float32)
+        sc = _scales[scale] = device_vector([scale], mx.float32)
     out, m, l_sum = _get_kernel()(
         inputs=[q, k_pool, v_pool, table, lengths, sc, launch.part],
         template=launch.template,
