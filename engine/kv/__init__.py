@@ -6,6 +6,7 @@
     prefill.py      batched prefill: several requests' chunks in one right-padded call
     attention.py    the rebound attention: CUDA kernel or plain-MLX fallback
     cuda_decode.py  the paged decode kernel (`mx.fast.cuda_kernel`)
+    device_vectors.py  per-step index vectors kept out of CUDA's host scalar pool
 
 `docs/kv-store.md` explains the design and its measurements.
 """
