@@ -187,13 +187,13 @@ class DecodeTables:
                 table[j, : a.capacity] = a.table
             run = members[0].table if len(members) == 1 else None
             self._groups.append(_GroupTables(
-                rows, None if single else mx.array(np.asarray(rows, dtype=np.int32)),
+                rows, None if single else device_vector(rows),
                 table, mx.array(table), run[0] if run and _consecutive(run) else None,
             ))
         self._order = None
         if not single:
             flat = np.concatenate([np.asarray(r) for r in by_segment.values()])
-            self._order = mx.array(np.argsort(flat).astype(np.int32))
+            self._order = device_vector(np.argsort(flat))
         self._allocs = [weakref.ref(a) for a in allocs]
 
 

@@ -6,6 +6,9 @@ memory."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -15,7 +18,7 @@ from engine.kv.cache import DecodeTables
 from engine.kv.device_vectors import MIN_BYTES, device_vector
 
 
-def _allocated(make):  # bytes the allocator holds for what `make` builds
+def _allocated(make: Callable[[], Any]) -> tuple[Any, int]:  # what `make` builds, and its bytes
     mx.synchronize()
     before = mx.get_active_memory()
     out = make()
@@ -25,7 +28,9 @@ def _allocated(make):  # bytes the allocator holds for what `make` builds
 
 @pytest.mark.parametrize("values", [[7], [7, 9], [1, 2, 3], list(range(6))])
 @pytest.mark.parametrize("dtype", [mx.int32, mx.float32])
-def test_a_vector_keeps_its_values_in_a_buffer_of_at_least_min_bytes(values, dtype):
+def test_a_vector_keeps_its_values_in_a_buffer_of_at_least_min_bytes(
+    values: list[int], dtype: mx.Dtype
+) -> None:
     vec, held = _allocated(lambda: device_vector(np.asarray(values), dtype))
     assert vec.shape == (len(values),)
     assert vec.dtype == dtype
@@ -33,7 +38,7 @@ def test_a_vector_keeps_its_values_in_a_buffer_of_at_least_min_bytes(values, dty
     assert held >= max(MIN_BYTES, 4 * len(values))
 
 
-def test_a_batch_of_one_plans_its_slots_lengths_and_positions_outside_the_scalar_blocks():
+def test_a_batch_of_one_plans_its_slots_lengths_and_positions_outside_the_scalar_blocks() -> None:
     geo = KVGeometry(num_layers=1, num_kv_heads=2, head_dim=32, dtype=mx.float32)
     store = KVStore(geo, block_size=16, segment_tokens=1024)
     alloc = store.reserve("one", 100)
