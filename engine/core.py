@@ -19,7 +19,8 @@ import mlx.core as mx
 
 from engine.admission import Admission, ChunkSample
 from engine.compiled_decode import CompiledDecode
-from engine.errors import InsufficientMemoryError, MemoryProbeUnavailableError
+from engine.device_errors import is_out_of_memory
+from engine.errors import EngineStepError, InsufficientMemoryError, MemoryProbeUnavailableError
 from engine.kv import KVStore, install_attention_hook
 from engine.kv.store import default_segment_tokens
 from engine.loader import LoadedModel, device_memory_bytes, on_cuda_by_default
@@ -39,6 +40,11 @@ Publish = Callable[[list[RequestOutput]], None]
 # throughput and lengthened TTFT (docs/throughput.md). The server passes its own budget:
 # four chunks on CUDA, where that raised C=64 by 15 % (server.settings.backend_defaults).
 STEP_CHUNKS = 1
+
+# Steps in a row that may raise (each failing its own requests) before the engine gives up:
+# one failure is a request's problem, a run of them means the engine itself is broken, and
+# a dead engine answers 503 and exits non-zero so that a service manager restarts it.
+MAX_FAILED_STEPS_IN_A_ROW = 3
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,7 @@ class EngineStats:
     prompt_tokens: int = 0
     preemptions: int = 0
     oom_recoveries: int = 0
+    step_failures: int = 0  # steps that raised (not out of memory): their requests got 500
     admission_checks: int = 0
     admission_s: float = 0.0
     # Where the engine thread's time goes (bench/run.py reports it per step): busy = inside
@@ -182,8 +189,9 @@ class EngineCore:
         self.stats = EngineStats()
         self._counters = dict(
             steps=0, decode_steps=0, prefill_chunks=0, prefill_calls=0, batched_steps=0,
-            generated_tokens=0, prompt_tokens=0, preemptions=0, oom_recoveries=0,
+            generated_tokens=0, prompt_tokens=0, preemptions=0, oom_recoveries=0, step_failures=0,
         )
+        self._failed_steps = 0  # steps in a row that raised (MAX_FAILED_STEPS_IN_A_ROW)
         self._stop = False
         self._outputs: list[RequestOutput] = []
         self._prefilling_now: Sequence | None = None
@@ -233,6 +241,7 @@ class EngineCore:
             return False
         started, cpu_started = time.perf_counter(), time.thread_time()
         chunks_before = self._counters["prefill_chunks"]
+        failures_before = self._failed_steps
         try:
             self._schedule_waiting()
         except ProbeUnavailableError as exc:
@@ -242,18 +251,21 @@ class EngineCore:
         except ProbeUnavailableError as exc:
             victim, self._prefilling_now = self._prefilling_now, None
             self._refuse_unprobed(victim, exc)
-        except RuntimeError as exc:
+        except Exception as exc:
             victim, self._prefilling_now = self._prefilling_now, None
             victims, self._prefilling_batch = self._prefilling_batch, []
-            self._recover_from_device_oom(exc, victims or ([victim] if victim else []))
+            self._step_failed(exc, victims or ([victim] if victim else []))
         try:
             self._decode()
-        except RuntimeError as exc:
-            self._recover_from_device_oom(exc, list(self.batch.seqs))
+        except Exception as exc:
+            self._step_failed(exc, list(self.batch.seqs))
         if self.admission.upkeep_due():
             self.admission.upkeep(self.admission.committed_bytes(self._admitted(), self._allocated_kv()))
         progressed = bool(self._outputs or len(self.batch))
-        if progressed or self._counters["prefill_chunks"] != chunks_before:
+        worked = progressed or self._counters["prefill_chunks"] != chunks_before
+        if worked and self._failed_steps == failures_before:
+            self._failed_steps = 0  # work done without raising ends a run of failures
+        if worked:
             self._counters["steps"] += 1  # steps that did work: an idle wake-up is not one
         self._busy_s += time.perf_counter() - started
         self._cpu_s += time.thread_time() - cpu_started
@@ -594,13 +606,38 @@ class EngineCore:
         seq.shared = None
         seq.looked_up = False
 
-    def _recover_from_device_oom(self, exc: RuntimeError, victims: list[Sequence]) -> None:
-        """The last line of defence, for backends where an allocation failure is catchable
-        (CUDA). Admission should have prevented it; free the work involved, refuse it with
-        507, and keep serving. A decode failure leaves the batch's arrays unusable, so every
-        row in it goes."""
-        if "out of memory" not in str(exc).lower():
+    def _step_failed(self, exc: Exception, victims: list[Sequence]) -> None:
+        """A prefill or decode raised. A device out-of-memory is refused with 507; anything
+        else fails the step's requests with 500 and its cause. Either way their KV is freed
+        and the engine serves on, unless steps keep failing: then the engine is broken, and
+        the exception ends the engine thread (503 for everyone, a non-zero exit)."""
+        if is_out_of_memory(exc):
+            self._recover_from_device_oom(exc, victims)
+            return
+        self._failed_steps += 1
+        if self._failed_steps >= MAX_FAILED_STEPS_IN_A_ROW:
+            log.error("%d steps in a row failed; stopping the engine", self._failed_steps)
             raise exc
+        log.error("a step failed (%s: %s); failing %d request(s)", type(exc).__name__, exc,
+                  len(victims), exc_info=exc)
+        self._counters["step_failures"] += 1
+        self._drop_victims(victims, EngineStepError(exc))
+
+    def _drop_victims(self, victims: list[Sequence], error: Exception) -> None:
+        """Fail `victims` with `error`. A decode failure leaves the batch's in-flight arrays
+        unusable, so its caller passes every row; the prefix cache may hold blocks the
+        failed call half wrote, so it goes too."""
+        if victims and victims == self.batch.seqs:
+            self.batch.remove(list(victims))
+        for seq in victims:
+            self._finish(seq, RequestStatus.FINISHED_REJECTED, error=error)
+        self.prefix_cache.clear()
+        mx.clear_cache()
+
+    def _recover_from_device_oom(self, exc: Exception, victims: list[Sequence]) -> None:
+        """The last line of defence, for backends where an allocation failure is catchable
+        (CUDA, recent Metal). Admission should have prevented it; free the work involved,
+        refuse it with 507, and keep serving."""
         log.error("device out of memory; refusing %d request(s)", len(victims))
         self._counters["oom_recoveries"] += 1
         error = InsufficientMemoryError(
@@ -612,12 +649,7 @@ class EngineCore:
             binding="device",
             retryable=True,
         )
-        if victims and victims == self.batch.seqs:
-            self.batch.remove(list(victims))
-        for seq in victims:
-            self._finish(seq, RequestStatus.FINISHED_REJECTED, error=error)
-        self.prefix_cache.clear()
-        mx.clear_cache()
+        self._drop_victims(victims, error)
 
     def _refuse_unprobed(self, seq: Sequence | None, exc: ProbeUnavailableError) -> None:
         """No memory reading to admit on: refuse the work that asked (503, retry later);
@@ -696,6 +728,7 @@ class EngineCore:
             prompt_tokens=c["prompt_tokens"],
             preemptions=c["preemptions"],
             oom_recoveries=c["oom_recoveries"],
+            step_failures=c["step_failures"],
             admission_checks=self.admission.checks,
             admission_s=round(self.admission.check_seconds, 6),
             busy_s=round(self._busy_s, 6),

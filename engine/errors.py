@@ -2,6 +2,7 @@
 
     EngineError
     ├── EngineDeadError          fatal: the engine thread is gone; nothing will be served
+    ├── EngineStepError          a step raised: its requests fail (HTTP 500), the rest go on
     ├── QueueFullError           recoverable: too many requests waiting; retry later
     ├── ContextLengthError       the prompt plus max_tokens does not fit the model's context
     ├── InsufficientMemoryError  the memory guard refused the request (HTTP 507)
@@ -19,6 +20,18 @@ class EngineError(Exception):
 
 class EngineDeadError(EngineError):
     pass
+
+
+class EngineStepError(EngineError):
+    """A prefill or decode step raised something other than a device out-of-memory. The
+    requests of that step fail with the cause; the engine keeps serving the others."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(
+            f"the engine failed while running this request ({type(cause).__name__}: {cause}); "
+            "other requests are unaffected"
+        )
+        self.cause = cause
 
 
 class QueueFullError(EngineError):

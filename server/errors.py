@@ -9,6 +9,7 @@
     ├── TooManyRequests (429) waiting queue full; with Retry-After
     ├── RequestTimeout (504)  the request ran past request_timeout_s; it was aborted
     ├── InsufficientStorage (507) the memory guard refused; with the guard's numbers
+    ├── (500) engine_step_failed: the step running this request raised; the cause is named
     └── ServiceUnavailable (503) the engine is not running; the memory probe is unavailable
                               (with Retry-After)
 
@@ -33,6 +34,7 @@ from starlette.types import Scope
 from engine import (
     ContextLengthError,
     EngineDeadError,
+    EngineStepError,
     InsufficientMemoryError,
     MemoryProbeUnavailableError,
     QueueFullError,
@@ -151,6 +153,8 @@ def from_engine_error(exc: Exception) -> APIError:
         )
     if isinstance(exc, EngineDeadError):
         return ServiceUnavailable(str(exc), code="engine_unavailable")
+    if isinstance(exc, EngineStepError):
+        return APIError(str(exc), code="engine_step_failed")
     log.exception("unexpected error", exc_info=exc)
     return APIError("internal error; the server keeps running", code="internal_error")
 

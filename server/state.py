@@ -52,11 +52,18 @@ class ServerState:
 
     @property
     def context_length(self) -> int:
-        return self.engine.loaded.context_length if self.engine.loaded else 0
+        return self._loaded().context_length
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.loaded.geometry.vocab_size if self.engine.loaded else 0
+        return int(self._loaded().geometry.vocab_size)
+
+    def _loaded(self) -> Any:
+        """The loaded model, or 503: a dead engine must not be mistaken for bad input (a
+        vocabulary of size 0 would make every token id a 400)."""
+        if not self.ready or self.engine.loaded is None:
+            raise ServiceUnavailable("the model is not loaded", code="engine_unavailable")
+        return self.engine.loaded
 
     def check_prompt_size(self, messages: int, chars: int) -> None:
         if messages > self.settings.max_messages:

@@ -23,6 +23,7 @@ from engine import LoadedModel, load_model
 from server.app import create_app
 from server.settings import Settings
 from tests.conftest import free_port, wait_until
+from tests.engine.test_device_errors import OUT_OF_MEMORY
 
 MODEL = "mlx-headroom/tiny-chat"
 CUDA_OOM = "[cudaMallocAsync] cudaMallocAsync(&data, size, stream) failed: out of memory"
@@ -34,16 +35,18 @@ class FlakyModel:
     def __init__(self, model: Any) -> None:
         self._model = model
         self.fail_prefill = 0
+        self.oom_message = CUDA_OOM
         self.fail_decode = 0
-        self.crash = False
+        self.crash = 0  # the next `crash` calls raise an engine bug (not a memory error)
         self.failed_in: list[list[str]] = []  # the engine functions on the stack at each failure
 
     def __call__(self, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         if self.crash:
-            raise RuntimeError("an engine bug, not a memory error")
+            self.crash -= 1
+            raise ValueError("[broadcast_shapes] an engine bug, not a memory error")
         if inputs.shape[1] > 1 and self.fail_prefill:
             self.fail_prefill -= 1
-            raise RuntimeError(CUDA_OOM)
+            raise RuntimeError(self.oom_message)
         if inputs.shape[1] == 1 and self.fail_decode:
             self.fail_decode -= 1
             self.failed_in.append([f.function for f in inspect.stack()])
@@ -96,6 +99,17 @@ def test_prefill_oom_is_507_and_the_server_keeps_serving(flaky_server):
     assert memory["kv_bytes"] == 0 and memory["committed_bytes"] == 0
 
 
+@pytest.mark.parametrize("message", OUT_OF_MEMORY)
+def test_every_backends_oom_message_is_507_not_a_dead_engine(flaky_server, message):
+    url, model = flaky_server
+    model.oom_message = message
+    model.fail_prefill = 1
+    r = chat(url)
+    assert r.status_code == 507, r.text
+    assert r.json()["error"]["code"] == "device_out_of_memory"
+    assert chat(url).status_code == 200
+
+
 def test_decode_oom_refuses_the_batch_and_the_server_keeps_serving(flaky_server):
     url, model = flaky_server
     model.fail_decode = 1
@@ -110,14 +124,34 @@ def test_decode_oom_refuses_the_batch_and_the_server_keeps_serving(flaky_server)
     assert httpx.get(f"{url}/health").status_code == 200
 
 
-def test_a_dead_engine_answers_503(flaky_server):
+def test_a_failing_step_is_500_with_its_cause_and_the_engine_serves_on(flaky_server):
     url, model = flaky_server
-    model.crash = True
+    model.crash = 1
+    r = chat(url)
+    assert r.status_code == 500, r.text
+    err = r.json()["error"]
+    assert err["code"] == "engine_step_failed" and err["type"] == "server_error"
+    assert "broadcast_shapes" in err["message"]
+    assert httpx.get(f"{url}/health").status_code == 200
+    ok = chat(url)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8
+    memory = httpx.get(f"{url}/v1/memory").json()
+    assert memory["kv_bytes"] == 0 and memory["engine"]["step_failures"] == 1
+
+
+def test_an_engine_whose_steps_keep_failing_dies_and_answers_503(flaky_server):
+    url, model = flaky_server
+    model.crash = 1000
+    codes = [chat(url).status_code for _ in range(2)]
+    assert codes == [500, 500]
     r = chat(url)
     assert r.status_code == 503, r.text
-    assert r.json()["error"]["code"] == "engine_unavailable"
+    err = r.json()["error"]
+    assert err["code"] == "engine_unavailable" and "broadcast_shapes" in err["message"]
     assert httpx.get(f"{url}/health").status_code == 503
-    again = chat(url)
+    # nothing is mistaken for bad input once the model is gone: a token-id prompt is 503
+    again = httpx.post(f"{url}/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4})
     assert again.status_code == 503 and again.json()["error"]["type"] == "service_unavailable"
 
 

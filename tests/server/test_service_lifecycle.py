@@ -15,7 +15,8 @@ from tests.conftest import MODEL, ServerProcess, wait_until
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 
-# The real CLI in a real process, with one engine bug injected: the fifth decode step raises.
+# The real CLI in a real process, with one engine bug injected: from the fifth decode step
+# on, every decode step raises.
 CRASHING_ENGINE = """
 import sys
 import engine.core as core
@@ -26,7 +27,7 @@ steps = [0]
 def crashing_decode(self):
     if len(self.batch):
         steps[0] += 1
-        if steps[0] == 5:
+        if steps[0] >= 5:
             raise RuntimeError("injected engine bug")
     return decode(self)
 
@@ -37,10 +38,18 @@ sys.exit(main(sys.argv[1:]))
 
 
 def test_engine_death_fails_in_flight_requests_and_exits_non_zero(tiny_model_path, tmp_path):
+    """A failing step fails its own request (500, with the cause) and the server serves on;
+    when steps keep failing, the engine is broken: 503 and a non-zero exit."""
     proc = ServerProcess(tiny_model_path, python_args=["-c", CRASHING_ENGINE]).start(tmp_path)
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 50}
     try:
-        r = httpx.post(f"{proc.url}/v1/chat/completions", timeout=60,
-                       json={"model": MODEL, "messages": MESSAGES, "max_tokens": 50})
+        for _ in range(2):
+            r = httpx.post(f"{proc.url}/v1/chat/completions", timeout=60, json=body)
+            assert r.status_code == 500, r.text
+            err = r.json()["error"]
+            assert err["code"] == "engine_step_failed" and "injected engine bug" in err["message"]
+            assert httpx.get(f"{proc.url}/health").status_code == 200
+        r = httpx.post(f"{proc.url}/v1/chat/completions", timeout=60, json=body)
         died_at = time.monotonic()
         assert r.status_code == 503, r.text
         err = r.json()["error"]
