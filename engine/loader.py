@@ -15,6 +15,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from engine.fusion import fuse_projections as fuse
 from engine.kv import KVGeometry
+from engine.quantized import flatten_quantized
 from engine.tiny_model import ensure_default_model
 from memory import ModelGeometry, geometry_from_model
 
@@ -112,6 +113,7 @@ def load_model(
         loaded_model, tokenizer = mlx_lm.load(source)
     mx.eval(loaded_model.parameters())
     fused = fuse(loaded_model).groups if fuse_projections else 0
+    flat = flatten_quantized(loaded_model)  # after fusion: its fused copies are swapped too
     path = Path(source) if Path(source).exists() else None
     if path is None:
         from mlx_lm.utils import _download
@@ -134,6 +136,7 @@ def load_model(
         f"loaded {name} in {time.monotonic() - started:.1f}s: {weight_bytes / 2**20:.1f} MiB of "
         f"weights, {geometry.num_layers} layers, context {loaded.context_length}, "
         f"backend {loaded.backend}, {fused} projection groups fused"
+        + (f", {flat} quantized projections flattened" if flat else "")
     )
     return loaded
 

@@ -1,0 +1,80 @@
+"""Quantized weights: the engine's projections see one matrix of rows in a decode step
+(engine.quantized), and that changes no token: greedy output equals mlx-lm's own
+generation on the same quantized weights, alone and batched."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from engine import EngineRequest, SamplingParams, load_model
+
+PROMPTS = [(5, 12), (70, 9), (23, 16)]  # (prompt tokens, new tokens)
+
+
+@pytest.fixture(scope="module")
+def quantized_path(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mlx_lm import convert
+
+    out = tmp_path_factory.mktemp("quantized") / "tiny-4bit"
+    convert(str(tiny_model_path), str(out), quantize=True, q_group_size=32, q_bits=4)
+    return out
+
+
+@pytest.fixture(scope="module")
+def quantized_loaded(quantized_path: Path):
+    return load_model(str(quantized_path), model_id="tiny-4bit")
+
+
+def _prompt(i: int, n: int) -> tuple[int, ...]:
+    rng = random.Random(900 + i)
+    return tuple(rng.randrange(0, 256) for _ in range(n))
+
+
+def _mlx_lm_greedy(path: Path, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    model, _ = load(str(path))
+    steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens,
+                          sampler=lambda logits: mx.argmax(logits, axis=-1))
+    return [int(token) for token, _ in steps]
+
+
+def test_a_decode_steps_quantized_matmuls_see_two_dimensional_inputs(make_engine, quantized_loaded,
+                                                                      monkeypatch):
+    seen: list[tuple[int, ...]] = []
+    original = mx.quantized_matmul
+
+    def spy(x, *args, **kwargs):
+        seen.append(tuple(x.shape))
+        return original(x, *args, **kwargs)
+
+    h = make_engine(loaded=quantized_loaded)
+    h.submit(EngineRequest("q", _prompt(0, 9), 4, SamplingParams(temperature=0.0)))
+    h.run_until(lambda: len(h.core.batch.seqs) == 1)
+    monkeypatch.setattr(mx, "quantized_matmul", spy)
+    h.step()  # a decode step
+    monkeypatch.undo()
+    assert seen, "the quantized model ran no quantized matmul"
+    assert all(len(shape) == 2 for shape in seen), seen
+
+
+def test_quantized_greedy_output_is_mlx_lms_alone_and_batched(make_engine, quantized_loaded,
+                                                             quantized_path):
+    expected = {f"q{i}": _mlx_lm_greedy(quantized_path, _prompt(i, n), m)
+                for i, (n, m) in enumerate(PROMPTS)}
+    for i, (n, m) in enumerate(PROMPTS):
+        h = make_engine(loaded=quantized_loaded, prefix_cache_bytes=0)
+        h.submit(EngineRequest(f"q{i}", _prompt(i, n), m, SamplingParams(temperature=0.0)))
+        h.run_until(lambda i=i, h=h: f"q{i}" in h.out.finished)
+        assert h.out.tokens[f"q{i}"] == expected[f"q{i}"]
+    h = make_engine(loaded=quantized_loaded, prefix_cache_bytes=0)
+    for i, (n, m) in enumerate(PROMPTS):
+        h.submit(EngineRequest(f"q{i}", _prompt(i, n), m, SamplingParams(temperature=0.0)))
+    h.run_until(lambda: len(h.out.finished) == len(PROMPTS))
+    assert h.core.stats.max_batch == len(PROMPTS)
+    assert h.out.tokens == expected
