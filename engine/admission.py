@@ -31,6 +31,7 @@ import mlx.core as mx
 
 from engine.kv import KVStore
 from engine.kv.prefill import needs_array_mask
+from engine.prompt_scoring import SCORING_BUFFERS
 from engine.sequence import Sequence
 from memory import (
     AdmissionQuery,
@@ -321,4 +322,7 @@ class Admission:
             batch=1,
             backend=self.backend,
         )
-        return self.tracker.predict(max(tokens, 1), estimate.total_bytes)
+        scoring = 0
+        if seq.scores_prompt:  # its chunk's logits are evaluated and scored
+            scoring = max(tokens, 1) * self.geometry.vocab_size * 4 * SCORING_BUFFERS
+        return self.tracker.predict(max(tokens, 1), estimate.total_bytes) + scoring

@@ -343,6 +343,8 @@ class EngineCore:
 
     def _lookup_prefix(self, seq: Sequence) -> None:
         seq.looked_up = True
+        if seq.scores_prompt:
+            return  # a cached prefix has no logits to score: recompute it (engine.prompt_scoring)
         hit = self.prefix_cache.lookup(seq.request.prompt_tokens)
         if hit is None:
             return
@@ -558,6 +560,18 @@ class EngineCore:
             prefix = self.store.hold_prefix(seq.request_id, seq.processed)
             if prefix is not None:
                 self.prefix_cache.insert(prompt[: prefix.tokens], prefix)
+        scores = (None, *seq.prompt_logprobs) if seq.scores_prompt else ()
+        seq.prompt_logprobs = []
+        if seq.request.max_tokens == 0:  # scoring only: the prompt was the work
+            self.prefilling.remove(seq)
+            seq.status = RequestStatus.FINISHED_LENGTH
+            self._drop_kv(seq)
+            seq.prefix_key = None
+            self._outputs.append(RequestOutput(seq.request_id, (), finish_reason="length",
+                                               cached_tokens=seq.cached_tokens, prompt_logprobs=scores))
+            return
+        if scores:
+            self._outputs.append(RequestOutput(seq.request_id, (), prompt_logprobs=scores))
         self.batch.join(seq)
         self.prefilling.remove(seq)
         seq.prefix_key = None

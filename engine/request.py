@@ -41,6 +41,9 @@ class EngineRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: frozenset[int] = frozenset()
     arrival: float = 0.0
+    # Score the prompt (engine.prompt_scoring): None, no; N, each prompt token's logprob and
+    # its N most likely alternatives.
+    prompt_logprobs: int | None = None
 
 
 class RequestStatus(IntEnum):
@@ -84,3 +87,6 @@ class RequestOutput:
     finish_reason: str | None = None
     cached_tokens: int = 0
     error: Exception | None = None
+    # Once, when the prompt is prefilled, for a request that asked: one entry per prompt
+    # token, None for the first (nothing precedes it).
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()

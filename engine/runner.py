@@ -32,6 +32,7 @@ from engine.kv import KVStore, decode_caches, plan_decode, prefill_caches
 from engine.kv.cache import DecodeTables
 from engine.kv.prefill import PrefillRow, batch_prefill_caches, group_by_segment, plan_prefill
 from engine.kv.store import Allocation
+from engine.prompt_scoring import score_chunk
 from engine.request import TokenLogprob
 from engine.sampling import BatchSampler, SampledStep
 from engine.sequence import Sequence
@@ -96,12 +97,17 @@ class Runner:
         the "causal" mask). Returns the number of model calls made.
         """
         rows = []
+        calls = 0
         for seq, tokens in chunks:
             alloc = self.store.get(seq.request_id)
             start = alloc.length
-            rows.append(PrefillRow(alloc, tuple(seq.request.prompt_tokens[start : start + tokens])))
+            row = PrefillRow(alloc, tuple(seq.request.prompt_tokens[start : start + tokens]))
+            if seq.scores_prompt:
+                self._prefill_scored(seq, row)  # alone: its logits are read, row by row
+                calls += 1
+            else:
+                rows.append(row)
         layers = self.store.geometry.num_layers
-        calls = 0
         for group in group_by_segment(rows) if self.prefill_batch > 1 else [[r] for r in rows]:
             for part in _batches(group, self.prefill_batch):
                 if len(part) == 1:
@@ -121,6 +127,19 @@ class Runner:
         for seq, tokens in chunks:
             self.store.advance(seq.request_id, tokens)
         return calls
+
+    def _prefill_scored(self, seq: Sequence, row: PrefillRow) -> None:
+        """A chunk of a request that scores its prompt: the single-request call, whose
+        logits at position j give the logprob of the prompt token after it."""
+        start = row.alloc.length
+        logits = self.model(mx.array(row.tokens)[None],
+                            cache=prefill_caches(self.store, row.alloc, len(row.tokens)))
+        started = time.perf_counter()
+        self.settle()
+        following = seq.request.prompt_tokens[start + 1 : start + 1 + len(row.tokens)]
+        seq.prompt_logprobs.extend(score_chunk(logits[0], following, seq.request.prompt_logprobs or 0))
+        mx.eval(row.alloc.segment.arrays())
+        self.prefill_wait_s += time.perf_counter() - started
 
     def settle(self) -> None:
         """Let the queued decode step finish: writes into the pool (a prefill chunk, a

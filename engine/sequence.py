@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from engine.kv import SharedPrefix
 from engine.prefix_cache import TokenKey
-from engine.request import EngineRequest, RequestStatus
+from engine.request import EngineRequest, RequestStatus, TokenLogprob
 
 
 @dataclass(eq=False)
@@ -23,6 +23,11 @@ class Sequence:
     wait_since: float | None = None  # when admission first said WAIT
     chunk_tokens: int = 0  # current prefill chunk size (shrinks under memory pressure)
     aborted: bool = field(default=False)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # scored so far
+
+    @property
+    def scores_prompt(self) -> bool:
+        return self.request.prompt_logprobs is not None
 
     @property
     def request_id(self) -> str:
