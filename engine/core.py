@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from engine.admission import Admission, ChunkSample
 from engine.compiled_decode import CompiledDecode
+from engine.dense import DenseRunner, DenseStore
 from engine.device_errors import is_out_of_memory
 from engine.errors import EngineStepError, InsufficientMemoryError, MemoryProbeUnavailableError
 from engine.kv import KVStore, install_attention_hook
@@ -157,17 +158,20 @@ class EngineCore:
         self.guard = guard
         self.config = config
         self.publish = publish
-        segment_tokens = config.kv_segment_tokens
-        if segment_tokens is None:
-            segment_tokens = default_segment_tokens(
-                loaded.backend, loaded.kv_geometry().bytes_per_token, device_memory_bytes()
-            )
-        self.store = KVStore(
-            loaded.kv_geometry(), block_size=config.kv_block_size, segment_tokens=segment_tokens
-        )
-        if not install_attention_hook(self.model):
-            raise RuntimeError(f"{loaded.model_id}: its attention does not go through mlx-lm's "
-                               "scaled_dot_product_attention; the paged KV store cannot serve it")
+        # The paged store takes plain attention through mlx-lm's shared function; every
+        # other cache kind is served through mlx-lm's own caches (engine.dense).
+        kv = loaded.kv_geometry()
+        self.store: KVStore | DenseStore
+        if kv is not None and install_attention_hook(self.model):
+            segment_tokens = config.kv_segment_tokens
+            if segment_tokens is None:
+                segment_tokens = default_segment_tokens(loaded.backend, kv.bytes_per_token,
+                                                        device_memory_bytes())
+            self.store = KVStore(kv, block_size=config.kv_block_size, segment_tokens=segment_tokens)
+        else:
+            layout = loaded.cache_layout()
+            self.store = DenseStore(self.model, layout, chunk_tokens=config.prefill_step_size)
+            log.info("serving %s through mlx-lm's own caches: %s", loaded.model_id, layout.describe())
         self.admission = admission_cls(
             guard, loaded.geometry, self.store, backend=loaded.backend,
             min_chunk_tokens=config.min_chunk_tokens, weight_bytes=loaded.weight_bytes,
@@ -176,13 +180,18 @@ class EngineCore:
             self.store, max_bytes=config.prefix_cache_bytes, max_entries=config.prefix_cache_entries,
             min_hit_tokens=self.store.block_size,
         )
-        overlap = on_cuda_by_default(config.decode_overlap, loaded.backend)
-        compiled = None
-        if on_cuda_by_default(config.compile_decode, loaded.backend):
-            compiled = CompiledDecode(self.model, self.store, loaded.geometry.num_heads,
-                                      after=config.compile_after)
-        self.batch = Runner(self.model, self.store, overlap=overlap, prefill_batch=config.prefill_batch,
-                            compiled=compiled, slice_decode=config.slice_decode)
+        self.batch: Runner | DenseRunner
+        if isinstance(self.store, DenseStore):
+            self.batch = DenseRunner(self.model, self.store)
+        else:
+            overlap = on_cuda_by_default(config.decode_overlap, loaded.backend)
+            compiled = None
+            if on_cuda_by_default(config.compile_decode, loaded.backend):
+                compiled = CompiledDecode(self.model, self.store, loaded.geometry.num_heads,
+                                          after=config.compile_after)
+            self.batch = Runner(self.model, self.store, overlap=overlap,
+                                prefill_batch=config.prefill_batch, compiled=compiled,
+                                slice_decode=config.slice_decode)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
         self.inbox: queue.SimpleQueue[_Submit | _Abort | _Call | None] = queue.SimpleQueue()

@@ -13,11 +13,12 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from engine.cache_layout import CacheLayout, geometry_for, probe_cache_layout
 from engine.fusion import fuse_projections as fuse
 from engine.kv import KVGeometry
 from engine.quantized import flatten_quantized
 from engine.tiny_model import ensure_default_model
-from memory import ModelGeometry, geometry_from_model
+from memory import ModelGeometry
 
 log = logging.getLogger("mlx_headroom.engine")
 
@@ -56,20 +57,27 @@ class LoadedModel:
     context_length: int
     weight_bytes: int
     fused_groups: int = 0  # projection groups fused into one matmul at load (engine.fusion)
+    layout: CacheLayout | None = None  # what its caches hold (None: probed when first asked)
 
     def make_cache(self) -> list[KVCache]:
         return make_prompt_cache(self.model)
 
-    def kv_geometry(self) -> KVGeometry:
-        """The KV store's shape: every layer must use a plain `KVCache` (full attention)."""
-        caches = self.make_cache()
-        if any(type(c) is not KVCache for c in caches):
-            kinds = sorted({type(c).__name__ for c in caches})
-            raise RuntimeError(
-                f"{self.model_id}: cache types {kinds} are not supported by the paged KV store"
-            )
-        g = self.geometry
-        return KVGeometry(g.num_layers, g.num_kv_heads, g.head_dim, _kv_dtype(self.model))
+    def cache_layout(self) -> CacheLayout:
+        """The model's caches as mlx-lm builds them (`engine.cache_layout`)."""
+        if self.layout is not None:
+            return self.layout
+        return probe_cache_layout(self.model, weights_loaded=True)
+
+    def kv_geometry(self) -> KVGeometry | None:
+        """The paged KV store's shape, read from the model's caches; None when they are not
+        all plain `KVCache`s of the config's heads and dims (`engine.dense` serves those)."""
+        layout = self.cache_layout()
+        if not layout.plain_kv:
+            return None
+        first = layout.layers[0]
+        if (first.kv_heads, first.key_dim) != (self.geometry.num_kv_heads, self.geometry.head_dim):
+            return None  # MLA: what the cache stores is not what the config's heads attend
+        return KVGeometry(layout.entries, first.kv_heads, first.key_dim, layout.dtype)
 
 
 def _context_length(path: Path | None, tokenizer: Any, default: int = 8192) -> int:
@@ -119,7 +127,8 @@ def load_model(
         from mlx_lm.utils import _download
 
         path = Path(_download(source))
-    geometry = geometry_from_model(loaded_model)
+    layout = probe_cache_layout(loaded_model, weights_loaded=True)
+    geometry = geometry_for(loaded_model, layout)
     weight_bytes = sum(v.nbytes for _, v in _flatten(loaded_model.parameters()))
     loaded = LoadedModel(
         model=loaded_model,
@@ -131,22 +140,15 @@ def load_model(
         context_length=_context_length(path, tokenizer),
         weight_bytes=weight_bytes,
         fused_groups=fused,
+        layout=layout,
     )
     progress(
         f"loaded {name} in {time.monotonic() - started:.1f}s: {weight_bytes / 2**20:.1f} MiB of "
         f"weights, {geometry.num_layers} layers, context {loaded.context_length}, "
-        f"backend {loaded.backend}, {fused} projection groups fused"
+        f"backend {loaded.backend}, {fused} projection groups fused, caches: {layout.describe()}"
         + (f", {flat} quantized projections flattened" if flat else "")
     )
     return loaded
-
-
-def _kv_dtype(model: Any) -> mx.Dtype:
-    """The dtype the model computes K/V in: that of its first floating-point parameter."""
-    for _, v in _flatten(model.parameters()):
-        if mx.issubdtype(v.dtype, mx.floating):
-            return v.dtype
-    return mx.float32
 
 
 def _flatten(tree: Any, prefix: str = "") -> list[tuple[str, mx.array]]:

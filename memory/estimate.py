@@ -63,14 +63,19 @@ class ModelGeometry:
     vocab_size: int
     dtype_bytes: int = 2  # bytes per activation/KV element (float32 → 4, bf16/fp16 → 2)
     kv_bits: int | None = None  # quantized KV; None = dtype
+    # Read from the model's own cache objects (the engine's probe) where its caches do not
+    # follow the config's heads and dims: MLA's latent, models without attention keys.
+    measured_kv_bytes_per_token: int | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """2 (K and V) × layers × KV heads × head dim × bytes per element.
+        """2 (K and V) × layers × KV heads × head dim × bytes per element, unless measured.
 
         With quantized KV, elements take ``kv_bits/8`` bytes plus a scale and a bias (in the
         activation dtype) per group of 64.
         """
+        if self.measured_kv_bytes_per_token is not None and self.kv_bits is None:
+            return self.measured_kv_bytes_per_token
         elements = 2 * self.num_layers * self.num_kv_heads * self.head_dim
         if self.kv_bits is None:
             return elements * self.dtype_bytes

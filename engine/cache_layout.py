@@ -1,0 +1,284 @@
+"""What a model's KV cache holds, read from mlx-lm's own cache objects rather than config keys.
+
+`probe_cache_layout(model)` calls `make_prompt_cache(model)` and runs a forward of two tokens
+without evaluating it: MLX knows every array's shape and dtype lazily, so nothing is
+allocated even when the model's parameters are themselves unevaluated (a model built from
+its config alone). Each cache entry then says what it is:
+
+    full      KVCache: every token, in 256-token steps
+    window    RotatingKVCache: at most `window` tokens (plus a prefill chunk while it runs)
+    chunked   ChunkedKVCache (llama4): at most one attention chunk
+    state     ArraysCache (mamba, gated delta-net): a fixed state per sequence
+    quantized QuantizedKVCache: packed keys and values, every token
+
+A `CacheList` entry contributes one `LayerCache` per child. Bytes per token come from the
+keys' and values' shapes except the sequence axis, so MLA's latent keys (1 head × 512) and
+rotary values (1 × 64) are counted as they are stored, not as the config's heads suggest.
+
+`CacheLayout.plain_kv` is the paged store's case (every entry a plain `KVCache` with the same
+heads and dims for keys and values); other models are served by `engine.dense`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    ChunkedKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
+
+from memory import ModelGeometry, geometry_from_model
+
+KV_STEP = 256  # mlx-lm's caches grow by this many tokens
+PROBE_TOKENS = 2
+
+FULL, WINDOW, CHUNKED, STATE, QUANTIZED = "full", "window", "chunked", "state", "quantized"
+
+
+class CacheLayoutError(RuntimeError):
+    """The model's caches could not be read (its forward does not run lazily)."""
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    """One cache entry (or one child of a `CacheList` entry)."""
+
+    kind: str
+    cache_type: str  # mlx-lm's class name
+    bytes_per_token: int = 0  # keys + values of one token (full, window, chunked, quantized)
+    fixed_bytes: int = 0  # state held per sequence whatever its length (state)
+    window: int | None = None  # max_size (window) or chunk_size (chunked)
+    keep: int = 0  # RotatingKVCache's leading tokens never rotated out
+    kv_heads: int = 0
+    key_dim: int = 0
+    value_dim: int = 0
+    mergeable: bool = True  # the class has `merge`: rows batch through mlx-lm's batch caches
+
+    def slots(self, tokens: int, chunk: int = 0) -> int:
+        """Token slots this entry holds for a sequence of `tokens`, `chunk` at a time."""
+        if tokens <= 0 or self.kind == STATE:
+            return 0
+        if self.kind in (FULL, QUANTIZED):
+            return _round_up(tokens)
+        window = self.window or tokens
+        if self.kind == WINDOW:
+            # decoding grows in steps up to the window; a prefill chunk is concatenated
+            # to up to window - 1 kept tokens before the trim
+            return max(min(_round_up(tokens), window), min(tokens, window + max(chunk, 1) - 1))
+        return min(_round_up(tokens), _round_up(window + max(chunk, 1)))  # chunked
+
+    def bytes_for(self, tokens: int, chunk: int = 0) -> int:
+        return self.slots(tokens, chunk) * self.bytes_per_token + self.fixed_bytes
+
+    def bytes_used(self, tokens: int) -> int:
+        """The bytes of the tokens themselves (no step rounding): what is written."""
+        kept = tokens if self.kind in (FULL, QUANTIZED) else min(tokens, self.window or tokens)
+        return (0 if self.kind == STATE else kept) * self.bytes_per_token + self.fixed_bytes
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    layers: tuple[LayerCache, ...]
+    entries: int  # len(make_prompt_cache(model)): CacheList children count once here
+    vocab_size: int
+    dtype: mx.Dtype
+
+    @property
+    def plain_kv(self) -> bool:
+        """Every entry a plain full `KVCache`, keys and values of one shape: the paged store."""
+        if not self.layers or len(self.layers) != self.entries:
+            return False
+        first = self.layers[0]
+        return all(
+            c.cache_type == "KVCache" and c.kind == FULL and c.key_dim == c.value_dim
+            and (c.kv_heads, c.key_dim) == (first.kv_heads, first.key_dim)
+            for c in self.layers
+        )
+
+    @property
+    def mergeable(self) -> bool:
+        """Every entry batches through mlx-lm's `merge` / `extend` / `filter`."""
+        return all(c.mergeable for c in self.layers)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Keys and values of one token across every entry that stores tokens (windows
+        counted as if they held every token: the per-token rate, not a sequence's total)."""
+        return sum(c.bytes_per_token for c in self.layers)
+
+    @property
+    def fixed_bytes(self) -> int:
+        return sum(c.fixed_bytes for c in self.layers)
+
+    def bytes_for(self, tokens: int, chunk: int = 0) -> int:
+        """KV bytes one sequence of `tokens` holds at most, prefilled `chunk` tokens at a
+        time: full entries every token in 256-token steps, window entries at most their
+        window (plus a chunk during prefill), state entries their fixed size."""
+        return sum(c.bytes_for(tokens, chunk) for c in self.layers)
+
+    def bytes_used(self, tokens: int) -> int:
+        return sum(c.bytes_used(tokens) for c in self.layers)
+
+    def kinds(self) -> dict[str, int]:
+        """Entries by kind, e.g. {"full": 2, "window": 10}."""
+        out: dict[str, int] = {}
+        for c in self.layers:
+            out[c.kind] = out.get(c.kind, 0) + 1
+        return out
+
+    def describe(self) -> str:
+        parts = []
+        for kind, n in self.kinds().items():
+            windows = sorted({c.window for c in self.layers if c.kind == kind and c.window})
+            extra = f" ({', '.join(str(w) for w in windows)} tokens)" if windows else ""
+            parts.append(f"{n} {kind}{extra}")
+        return ", ".join(parts)
+
+
+def probe_cache_layout(model: Any, *, weights_loaded: bool = False) -> CacheLayout:
+    """Read the layout of `model`'s caches from a lazy two-token forward (nothing evaluated).
+
+    If the lazy forward raises and `weights_loaded`, one evaluated two-token forward is run
+    instead (a few kilobytes on a loaded model); without loaded weights that would
+    materialise every parameter, so the error is raised instead.
+    """
+    tokens = mx.zeros((1, PROBE_TOKENS), dtype=mx.int32)
+    caches = make_prompt_cache(model)
+    try:
+        logits = model(tokens, cache=caches)
+    except Exception as exc:
+        if not weights_loaded:
+            raise CacheLayoutError(
+                f"{type(model).__module__}: its forward did not run on unevaluated arrays "
+                f"({type(exc).__name__}: {exc}); load the weights to read its caches"
+            ) from exc
+        caches = make_prompt_cache(model)
+        logits = model(tokens, cache=caches)
+        mx.eval(logits, [c.state for c in caches])
+    layers: list[LayerCache] = []
+    for cache in caches:
+        layers.extend(_read(cache))
+    return CacheLayout(tuple(layers), len(caches), int(logits.shape[-1]), _dtype_of(caches, logits))
+
+
+def _read(cache: Any) -> list[LayerCache]:
+    name = type(cache).__name__
+    mergeable = hasattr(type(cache), "merge")
+    if isinstance(cache, CacheList):
+        return [c for child in cache.caches for c in _read(child)]
+    if isinstance(cache, ArraysCache):
+        fixed = sum(a.nbytes for a in cache.cache if a is not None)
+        return [LayerCache(STATE, name, fixed_bytes=fixed, mergeable=mergeable)]
+    if isinstance(cache, QuantizedKVCache):
+        per_token = sum(_per_token(a) for a in _arrays(cache.keys) + _arrays(cache.values))
+        return [LayerCache(QUANTIZED, name, bytes_per_token=per_token, mergeable=mergeable)]
+    keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
+    if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
+        raise CacheLayoutError(f"{name}: the probe's forward left no keys and values in it")
+    shape = dict(
+        bytes_per_token=_per_token(keys) + _per_token(values), kv_heads=int(keys.shape[1]),
+        key_dim=int(keys.shape[-1]), value_dim=int(values.shape[-1]), mergeable=mergeable,
+    )
+    if isinstance(cache, RotatingKVCache):
+        return [LayerCache(WINDOW, name, window=cache.max_size, keep=cache.keep, **shape)]  # type: ignore[arg-type]
+    if isinstance(cache, ChunkedKVCache):
+        return [LayerCache(CHUNKED, name, window=cache.chunk_size, **shape)]  # type: ignore[arg-type]
+    if isinstance(cache, KVCache) or hasattr(cache, "offset"):
+        return [LayerCache(FULL, name, **shape)]  # type: ignore[arg-type]
+    raise CacheLayoutError(f"{name}: an unknown cache kind")
+
+
+def _arrays(tree: Any) -> list[mx.array]:
+    if isinstance(tree, mx.array):
+        return [tree]
+    return [a for _, a in tree_flatten(tree) if isinstance(a, mx.array)]
+
+
+def _per_token(a: mx.array) -> int:
+    """Bytes of one token of a [batch, heads, tokens, dim] cache array."""
+    return math.prod(a.shape[1:2] + a.shape[3:]) * a.itemsize
+
+
+def _dtype_of(caches: list[Any], logits: mx.array) -> mx.Dtype:
+    """The dtype the caches store (the logits' when no entry holds a floating array)."""
+    for _, a in tree_flatten([c.state for c in caches]):
+        if isinstance(a, mx.array) and mx.issubdtype(a.dtype, mx.floating):
+            return a.dtype
+    return logits.dtype
+
+
+def _round_up(tokens: int, step: int = KV_STEP) -> int:
+    return -(-tokens // step) * step
+
+
+_HEADS = ("num_attention_heads", "n_head", "n_heads", "num_heads")
+_HIDDEN = ("hidden_size", "n_embd", "d_model", "dim")
+_INTERMEDIATE = ("intermediate_size", "n_inner", "ffn_dim", "d_inner")
+
+
+def geometry_for(model: Any, layout: CacheLayout, dtype_bytes: int | None = None) -> ModelGeometry:
+    """The memory module's geometry: from the model's config where it has the usual keys,
+    else from the probe (KV heads and dims of its first attention entry, vocabulary from the
+    logits) and whichever config names the architecture uses. Either way its KV bytes per
+    token are the probe's, as the caches store them."""
+    try:
+        geometry = geometry_from_model(model, dtype_bytes=dtype_bytes)
+    except ValueError:
+        geometry = _geometry_from_probe(model, layout, dtype_bytes)
+    measured = layout.bytes_per_token
+    if dtype_bytes is not None and layout.dtype.size != dtype_bytes:
+        measured = measured * dtype_bytes // layout.dtype.size
+    if geometry.kv_bits is not None or measured == geometry.kv_bytes_per_token:
+        return geometry
+    from dataclasses import replace
+
+    return replace(geometry, measured_kv_bytes_per_token=measured)
+
+
+def _geometry_from_probe(model: Any, layout: CacheLayout, dtype_bytes: int | None) -> ModelGeometry:
+    args = vars(getattr(model, "args", None) or object())
+    text = args.get("text_config")
+    if text is not None and not isinstance(text, dict):
+        text = vars(text)
+    config = {**(text or {}), **{k: v for k, v in args.items() if v is not None}}
+
+    def first(keys: tuple[str, ...]) -> int | None:
+        for key in keys:
+            if isinstance(config.get(key), int):
+                return int(config[key])
+        return None
+
+    attn = next((c for c in layout.layers if c.kv_heads), None)
+    kv_heads = attn.kv_heads if attn else 1
+    head_dim = max(attn.key_dim, attn.value_dim) if attn else 1
+    hidden = first(_HIDDEN) or _embedding_dim(model) or kv_heads * head_dim
+    heads = first(_HEADS) or kv_heads
+    return ModelGeometry(
+        num_layers=max(layout.entries, 1),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        hidden_size=hidden,
+        intermediate_size=first(_INTERMEDIATE) or 4 * hidden,
+        vocab_size=layout.vocab_size,
+        dtype_bytes=dtype_bytes or layout.dtype.size,
+    )
+
+
+def _embedding_dim(model: Any) -> int | None:
+    import mlx.nn as nn
+
+    for _, module in model.named_modules():
+        if isinstance(module, nn.Embedding):
+            return int(module.weight.shape[-1])
+    return None

@@ -1,0 +1,172 @@
+"""The model calls of the dense path: mlx-lm's semantics, the paged runner's interface.
+
+Prefill runs each request's chunk through the model with the request's own caches, one
+request per call, exactly as mlx-lm's `generate_step` does. A request joins the decode
+batch with no model call of its own (its last prompt token is its input in the next
+step), as in the paged runner. A decode step is one model call over the merged batch
+caches (`DenseStore.batch`), or, where a cache kind cannot merge, one call per row whose
+logits are stacked. Sampling is the paged runner's: one `BatchSampler` call on the
+step's [B, vocab] logits, per-row parameters, logits processors fed back before their
+row's next sample.
+
+Decode is pipelined as mlx-lm pipelines it: step n+1 is queued before step n's tokens
+are read.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import mlx.core as mx
+
+from engine.dense.store import DenseStore
+from engine.runner import StepToken, _read_logprobs
+from engine.sampling import BatchSampler, SampledStep
+from engine.sequence import Sequence
+
+
+class DenseRunner:
+    compiled = None  # no traced decode steps here
+    slice_choice = None
+    slice_decode = False
+
+    def __init__(self, model: Any, store: DenseStore) -> None:
+        self.model = model
+        self.store = store
+        self.seqs: list[Sequence] = []  # the batch; rows [0, len(pending)) have a token in flight
+        self.pending: SampledStep | None = None
+        self.fresh: list[int] = []  # last prompt token of each row that joined since the last step
+        self.sampler = BatchSampler([])
+        self.force_slice: bool | None = None  # the warm-up sets it; nothing to slice here
+        self.max_batch_seen = 0
+        self.sliced_steps = 0
+        self.decode_wait_s = 0.0
+        self.prefill_wait_s = 0.0
+        self.queue_s = 0.0
+        self.agree: Any = None  # tensor parallel's token agreement (engine.distributed)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    # ---- prefill ---------------------------------------------------------------------
+    def prefill(self, chunks: Seq[tuple[Sequence, int]]) -> int:
+        """Run each request's next `tokens` prompt tokens into its own caches, one request
+        per model call. Returns the number of model calls made."""
+        for seq, tokens in chunks:
+            alloc = self.store.get(seq.request_id)
+            start = alloc.length
+            caches = alloc.caches
+            assert caches is not None, "a request that joined the batch does not prefill"
+            chunk = mx.array(seq.request.prompt_tokens[start : start + tokens])[None]
+            self.model(chunk, cache=caches)
+            started = time.perf_counter()
+            mx.eval([c.state for c in caches])
+            self.prefill_wait_s += time.perf_counter() - started
+            self.store.advance(seq.request_id, tokens)
+        return len(chunks)
+
+    def settle(self) -> None:
+        """Let the queued decode step finish."""
+        if self.pending is not None:
+            mx.eval(*self.pending.arrays())
+
+    # ---- the batch -------------------------------------------------------------------
+    def join(self, seq: Sequence) -> None:
+        self.store.join(seq.request_id)
+        self.seqs.append(seq)
+        self.fresh.append(seq.request.prompt_tokens[-1])
+        self.sampler = BatchSampler([s.request.sampling for s in self.seqs])
+        self.max_batch_seen = max(self.max_batch_seen, len(self.seqs))
+
+    def step(self) -> list[StepToken]:
+        """Queue this step's forward and sampling, then read back the previous step's tokens."""
+        if not self.seqs:
+            return []
+        current = self.pending
+        n_current = 0 if current is None else current.tokens.shape[0]
+        inputs = self._inputs(current)
+        logits = self._forward(inputs)
+        steps = [s.generated + (1 if i < n_current else 0) for i, s in enumerate(self.seqs)]
+        for s in self.seqs:
+            self.store.advance(s.request_id, 1)
+        self.fresh = []
+        if self.sampler.needs_feedback:
+            tokens = self._read_tokens(current) if current is not None else []
+            self.sampler.accept(tokens)
+            self.pending = self._sample(logits, steps)
+            self._queue(self.pending)
+            return self._emitted(current, tokens)
+        self.pending = self._sample(logits, steps)
+        self._queue(self.pending)
+        if current is None:
+            return []
+        return self._emitted(current, self._read_tokens(current))
+
+    def _forward(self, inputs: mx.array) -> mx.array:
+        store = self.store
+        if store.batch is not None:
+            return self.model(inputs[:, None], cache=store.batch)[:, -1, :]
+        rows = []
+        for i, request_id in enumerate(store.rows):  # caches that cannot merge: row by row
+            caches = store.get(request_id).caches
+            rows.append(self.model(inputs[i : i + 1, None], cache=caches)[:, -1, :])
+        return mx.concatenate(rows, axis=0)
+
+    def _emitted(self, current: SampledStep | None, tokens: list[int]) -> list[StepToken]:
+        if current is None:
+            return []
+        emitting = self.seqs[: len(tokens)]
+        logprobs = _read_logprobs(current, emitting)
+        return [
+            StepToken(seq, tok, logprobs[i] if logprobs else None)
+            for i, (seq, tok) in enumerate(zip(emitting, tokens, strict=True))
+        ]
+
+    def _sample(self, logits: mx.array, steps: list[int]) -> SampledStep:
+        step = self.sampler.sample(logits, steps)
+        return step if self.agree is None else self.agree(step)
+
+    def _queue(self, step: SampledStep) -> None:
+        started = time.perf_counter()
+        mx.async_eval(*step.arrays())
+        self.queue_s += time.perf_counter() - started
+
+    def _read_tokens(self, step: SampledStep) -> list[int]:
+        started = time.perf_counter()
+        tokens: list[int] = step.tokens.tolist()
+        self.decode_wait_s += time.perf_counter() - started
+        return tokens
+
+    def _inputs(self, current: SampledStep | None) -> mx.array:
+        fresh = mx.array(self.fresh, dtype=mx.uint32) if self.fresh else None
+        if current is None:
+            assert fresh is not None
+            return fresh
+        return current.tokens if fresh is None else mx.concatenate([current.tokens, fresh])
+
+    def remove(self, leaving: Seq[Sequence]) -> None:
+        """Rows leave: their batch rows are filtered out of the merged caches."""
+        if not leaving:
+            return
+        gone = {id(s) for s in leaving}
+        n_current = 0 if self.pending is None else self.pending.tokens.shape[0]
+        keep = [i for i, s in enumerate(self.seqs) if id(s) not in gone]
+        keep_pending = [i for i in keep if i < n_current]
+        self.fresh = [self.fresh[i - n_current] for i in keep if i >= n_current]
+        self.store.leave([s.request_id for s in self.seqs if id(s) in gone])
+        self.seqs = [self.seqs[i] for i in keep]
+        if self.pending is not None:
+            if not keep_pending:
+                self.pending = None
+            elif len(keep_pending) < n_current:
+                idx = mx.array(keep_pending)
+                p = self.pending
+                self.pending = SampledStep(
+                    p.tokens[idx],
+                    None if p.logprobs is None else p.logprobs[idx],
+                    None if p.top_ids is None else p.top_ids[idx],
+                    None if p.top_logprobs is None else p.top_logprobs[idx],
+                )
+        self.sampler = BatchSampler([s.request.sampling for s in self.seqs])

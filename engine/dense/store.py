@@ -1,0 +1,187 @@
+"""mlx-lm's own cache objects, held per request, with the paged store's interface.
+
+A request admitted here gets `make_prompt_cache(model)` when it is reserved; its prefill
+chunks run into those caches. When it joins the decode batch its caches are merged into
+the batch's (`merge` makes a batch of one, `extend` appends it, as mlx-lm's
+`BatchGenerator` does) and when it leaves, its row is filtered out. A model with a cache
+kind that has no `merge` (llama4's `ChunkedKVCache`, `QuantizedKVCache`) keeps every
+request's own caches and steps its rows one at a time.
+
+Bytes. Nothing is allocated up front: a request's reservation is what its caches hold at
+most (`CacheLayout.bytes_for`: full layers in 256-token steps, window layers at most the
+window plus a prefill chunk, recurrent state at its fixed size), and `request_bytes` is
+what the caches hold now, read from their arrays (the merged batch is left-padded to its
+longest row, so it may hold more than its rows' own sizes).
+
+Prefix caching: none yet. `hold_prefix` returns None, so nothing is ever shared and each
+request prefills its whole prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_lm.models.cache import CacheList, make_prompt_cache
+
+from engine.cache_layout import KV_STEP, CacheLayout
+from engine.kv.store import KVStoreStats, SharedPrefix
+
+
+@dataclass
+class DenseAllocation:
+    """One request's place: its own caches until it joins the batch (rows of a model
+    whose caches cannot merge keep them)."""
+
+    request_id: str
+    tokens: int  # reserved: prompt + max_tokens
+    caches: list[Any] | None
+    length: int = 0  # tokens written
+    in_batch: bool = False
+    shared: int = field(default=0)  # never shares (the paged Allocation's field)
+
+
+class DenseStore:
+    block_size = KV_STEP  # the step mlx-lm's caches grow by
+    geometry = None  # no paged layout
+
+    def __init__(self, model: Any, layout: CacheLayout, *, chunk_tokens: int) -> None:
+        self.model = model
+        self.layout = layout
+        self.chunk_tokens = chunk_tokens
+        self.block_bytes = self.block_size * layout.bytes_per_token
+        self.requests: dict[str, DenseAllocation] = {}
+        self.rows: list[str] = []  # the decode batch's rows, in order
+        self.batch: list[Any] | None = None  # merged caches of those rows (mergeable layouts)
+
+    # ---- sizes -----------------------------------------------------------------------
+    def blocks_for(self, tokens: int) -> int:
+        return -(-max(tokens, 1) // self.block_size)
+
+    def reservation_bytes(self, tokens: int) -> int:
+        """What a request of `tokens` (prompt + max_tokens) holds at most."""
+        return self.layout.bytes_for(tokens, self.chunk_tokens)
+
+    def growth_bytes(self, tokens: int, shared: SharedPrefix | None = None, *, exact: bool = False) -> int:
+        """All of it is new: mlx-lm's caches allocate as they grow."""
+        return self.reservation_bytes(tokens)
+
+    # ---- requests --------------------------------------------------------------------
+    def reserve(
+        self, request_id: str, tokens: int, shared: SharedPrefix | None = None, *, exact: bool = False
+    ) -> DenseAllocation:
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id} already holds KV")
+        alloc = DenseAllocation(request_id, tokens, make_prompt_cache(self.model))
+        self.requests[request_id] = alloc
+        return alloc
+
+    def get(self, request_id: str) -> DenseAllocation:
+        return self.requests[request_id]
+
+    def advance(self, request_id: str, tokens: int) -> None:
+        alloc = self.requests[request_id]
+        alloc.length += tokens
+        if alloc.length > alloc.tokens:
+            raise RuntimeError(f"request {request_id} outgrew its reservation")
+
+    def release(self, request_id: str) -> None:
+        if request_id in self.rows:
+            self.leave([request_id])
+        self.requests.pop(request_id, None)
+
+    # ---- the decode batch ------------------------------------------------------------
+    def join(self, request_id: str) -> None:
+        """The request's caches become the batch's last row (merged where they can be)."""
+        alloc = self.requests[request_id]
+        alloc.in_batch = True
+        self.rows.append(request_id)
+        if not self.layout.mergeable:
+            return
+        assert alloc.caches is not None
+        row = [type(c).merge([c]) for c in alloc.caches]
+        alloc.caches = None
+        if self.batch is None:
+            self.batch = row
+        else:
+            for batch_cache, row_cache in zip(self.batch, row, strict=True):
+                batch_cache.extend(row_cache)
+
+    def leave(self, request_ids: list[str]) -> None:
+        gone = set(request_ids)
+        keep = [i for i, r in enumerate(self.rows) if r not in gone]
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        for r in request_ids:
+            if r in self.requests:
+                self.requests[r].in_batch = False
+        if self.batch is None:
+            return
+        if not keep:
+            self.batch = None
+            return
+        for c in self.batch:
+            c.filter(keep)
+
+    # ---- the prefix cache's holds: none ----------------------------------------------
+    def hold_prefix(self, request_id: str, tokens: int) -> SharedPrefix | None:
+        return None
+
+    def drop_prefix(self, prefix: SharedPrefix) -> None:
+        return None
+
+    # ---- accounting ------------------------------------------------------------------
+    def reserved_bytes(self) -> int:
+        return sum(self.reservation_bytes(a.tokens) for a in self.requests.values())
+
+    def request_bytes(self) -> int:
+        """What the requests' caches hold now, their arrays' bytes."""
+        return sum(c.nbytes for c in self._caches())
+
+    def pool_bytes(self) -> int:
+        return self.request_bytes()
+
+    def freeable_bytes(self, prefixes: list[SharedPrefix]) -> int:
+        return 0
+
+    def kind_bytes(self) -> dict[str, int]:
+        """Bytes held now, by cache kind ("full", "window", "state", ...)."""
+        out: dict[str, int] = {}
+        n = len(self.layout.layers)
+        for i, cache in enumerate(self._caches()):
+            kind = self.layout.layers[i % n].kind
+            out[kind] = out.get(kind, 0) + cache.nbytes
+        return out
+
+    def stats(self) -> KVStoreStats:
+        used = sum(self.layout.bytes_used(a.length) for a in self.requests.values() if a.length)
+        held = self.request_bytes()
+        return KVStoreStats(
+            reserved_bytes=self.reserved_bytes(),
+            used_bytes=used,
+            pool_bytes=held,
+            request_bytes=held,
+            bytes_per_token=self.layout.bytes_per_token,
+            block_size=self.block_size,
+            segments=0,
+            requests=len(self.requests),
+        )
+
+    def _caches(self) -> Iterator[Any]:
+        """Every leaf cache object held (a `CacheList`'s children), in layout order per
+        request and then for the batch."""
+        for a in self.requests.values():
+            if a.caches is not None:
+                yield from _leaves(a.caches)
+        if self.batch is not None:
+            yield from _leaves(self.batch)
+
+
+def _leaves(caches: list[Any]) -> Iterator[Any]:
+    for c in caches:
+        if isinstance(c, CacheList):
+            yield from _leaves(list(c.caches))
+        else:
+            yield c

@@ -1,0 +1,142 @@
+"""Models whose caches the paged store cannot hold are served through mlx-lm's own caches,
+with output token-identical to mlx-lm's `generate_step` on the same weights: one request,
+then four prompts of mixed lengths at once (rows join and leave the merged batch).
+
+Tiny random float32 models of each cache kind (tests/engine/tiny_archs.py): sliding
+window, sinks, recurrent state, MLA, `CacheList`, chunked attention (no `merge`: rows step
+one at a time). And the window's memory: a long request on a sliding-window model holds
+window-sized KV on its sliding layers, as the store counts it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from engine import EngineRequest, LoadedModel, SamplingParams
+from engine.cache_layout import geometry_for, probe_cache_layout
+from engine.dense import DenseStore
+from engine.kv import KVStore
+from tests.engine import tiny_archs
+from tests.engine.conftest import Harness
+
+STEP = 32  # prefill chunk: prompts longer than it run in several chunks
+SHAPES = [(37, 20), (5, 25), (90, 12), (1, 18)]  # (prompt tokens, new tokens)
+
+
+def _loaded(name: str) -> LoadedModel:
+    model = tiny_archs.build(name)
+    layout = probe_cache_layout(model, weights_loaded=True)
+    return LoadedModel(model=model, tokenizer=None, model_id=name, path="",
+                       geometry=geometry_for(model, layout), backend="cpu",
+                       context_length=4096, weight_bytes=0, layout=layout)
+
+
+def _prompts(seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(tiny_archs.VOCAB) for _ in range(n)] for n, _ in SHAPES]
+
+
+def _reference(model: object, prompt: list[int], max_tokens: int) -> list[int]:
+    steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens, prefill_step_size=STEP)
+    return [int(token) for token, _ in steps]
+
+
+def _run(h: Harness, requests: list[EngineRequest]) -> None:
+    for r in requests:
+        h.submit(r)
+    h.run_until(lambda: all(r.request_id in h.out.finished for r in requests))
+
+
+@pytest.mark.parametrize(
+    "name", ["gemma3_text", "gpt_oss", "qwen3_next", "mamba2", "deepseek_v3", "falcon_h1", "llama4"]
+)
+def test_greedy_output_equals_mlx_lm_alone_and_batched(
+    name: str, make_engine: Callable[..., Harness]
+) -> None:
+    loaded = _loaded(name)
+    prompts = _prompts()
+    expected = [_reference(loaded.model, p, n) for p, (_, n) in zip(prompts, SHAPES, strict=True)]
+    requests = [
+        EngineRequest(f"r{i}", tuple(p), n, SamplingParams(temperature=0.0))
+        for i, (p, (_, n)) in enumerate(zip(prompts, SHAPES, strict=True))
+    ]
+
+    alone = make_engine(loaded=loaded, prefill_step_size=STEP, prefix_cache_bytes=0)
+    assert isinstance(alone.core.store, DenseStore)
+    _run(alone, requests[:1])
+    assert alone.out.tokens["r0"] == expected[0]
+
+    together = make_engine(loaded=loaded, prefill_step_size=STEP, prefix_cache_bytes=0)
+    _run(together, requests)
+    assert [together.out.tokens[r.request_id] for r in requests] == expected
+    assert together.core.batch.max_batch_seen >= 3
+    assert together.core.store.requests == {} and together.core.store.request_bytes() == 0
+
+
+def test_a_model_without_the_usual_config_keys_is_sized_from_its_caches(
+    make_engine: Callable[..., Harness],
+) -> None:
+    """gpt2's config names its heads n_head: the probe sizes it, and the paged store serves it."""
+    loaded = _loaded("gpt2")
+    assert loaded.geometry.num_kv_heads == 4 and loaded.geometry.head_dim == 16
+    h = make_engine(loaded=loaded, prefill_step_size=STEP, prefix_cache_bytes=0)
+    assert isinstance(h.core.store, KVStore)
+    prompt = _prompts()[2]
+    _run(h, [EngineRequest("g", tuple(prompt), 10, SamplingParams(temperature=0.0))])
+    assert h.out.tokens["g"] == _reference(loaded.model, prompt, 10)
+
+
+def test_mla_is_counted_at_its_latent_size() -> None:
+    """deepseek_v3 stores one latent head: keys kv_lora_rank wide, values qk_rope_head_dim."""
+    model = tiny_archs.build("deepseek_v3", evaluate=False)  # lazy: nothing is allocated
+    layout = probe_cache_layout(model)
+    config = tiny_archs.CONFIGS["deepseek_v3"]
+    assert [(c.kv_heads, c.key_dim, c.value_dim) for c in layout.layers] == [
+        (1, config["kv_lora_rank"], config["qk_rope_head_dim"])
+    ] * config["num_hidden_layers"]
+    per_token = (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 4 * config["num_hidden_layers"]
+    assert layout.bytes_per_token == per_token
+    assert geometry_for(model, layout).kv_bytes_per_token == per_token
+    assert not layout.plain_kv
+
+
+def test_a_long_request_holds_window_sized_kv_on_sliding_layers(
+    make_engine: Callable[..., Harness],
+) -> None:
+    loaded = _loaded("gemma3_text")
+    layout = loaded.cache_layout()
+    window = tiny_archs.CONFIGS["gemma3_text"]["sliding_window"]
+    kinds = layout.kinds()
+    assert kinds == {"window": 2, "full": 2}
+    per_layer = layout.layers[0].bytes_per_token
+    prompt_tokens, new_tokens = 300, 8
+    h = make_engine(loaded=loaded, prefill_step_size=STEP, prefix_cache_bytes=0)
+    store = h.core.store
+    assert isinstance(store, DenseStore)
+    # reserved: full layers every token (256-token steps), window layers the window + a chunk
+    total = prompt_tokens + new_tokens
+    assert store.reservation_bytes(total) == (
+        2 * 512 * per_layer + 2 * (window + STEP - 1) * per_layer
+    )
+    assert store.reservation_bytes(total) < 4 * 512 * per_layer
+
+    prompt = tuple(random.Random(3).randrange(tiny_archs.VOCAB) for _ in range(prompt_tokens))
+    h.submit(EngineRequest("long", prompt, new_tokens, SamplingParams(temperature=0.0)))
+    peak_window = decode_steps = 0
+    while "long" not in h.out.finished:
+        h.step()
+        held = store.kind_bytes()
+        peak_window = max(peak_window, held.get("window", 0))
+        if len(h.core.batch):  # decoding: the window layers hold the window, no more
+            decode_steps += 1
+            assert held["window"] <= 2 * window * per_layer
+            assert held["full"] >= 2 * prompt_tokens * per_layer
+            assert h.core.stats.kv_bytes == store.request_bytes()
+    assert decode_steps >= new_tokens - 1
+    assert peak_window <= 2 * (window + STEP - 1) * per_layer
+    assert h.out.tokens["long"] == _reference(loaded.model, list(prompt), new_tokens)
