@@ -22,6 +22,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.dense.store import DenseStore
+from engine.prompt_scoring import score_chunk
 from engine.runner import StepToken, _read_logprobs
 from engine.sampling import BatchSampler, SampledStep
 from engine.sequence import Sequence
@@ -53,15 +54,21 @@ class DenseRunner:
     # ---- prefill ---------------------------------------------------------------------
     def prefill(self, chunks: Seq[tuple[Sequence, int]]) -> int:
         """Run each request's next `tokens` prompt tokens into its own caches, one request
-        per model call. Returns the number of model calls made."""
+        per model call (a request scoring its prompt reads the call's logits, as in the
+        paged runner). Returns the number of model calls made."""
         for seq, tokens in chunks:
             alloc = self.store.get(seq.request_id)
             start = alloc.length
             caches = alloc.caches
             assert caches is not None, "a request that joined the batch does not prefill"
-            chunk = mx.array(seq.request.prompt_tokens[start : start + tokens])[None]
-            self.model(chunk, cache=caches)
+            prompt = seq.request.prompt_tokens
+            logits = self.model(mx.array(prompt[start : start + tokens])[None], cache=caches)
             started = time.perf_counter()
+            if seq.scores_prompt:  # logits at position j: the logprob of prompt token j + 1
+                following = prompt[start + 1 : start + 1 + tokens]
+                seq.prompt_logprobs.extend(
+                    score_chunk(logits[0], following, seq.request.prompt_logprobs or 0)
+                )
             mx.eval([c.state for c in caches])
             self.prefill_wait_s += time.perf_counter() - started
             self.store.advance(seq.request_id, tokens)

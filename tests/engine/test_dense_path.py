@@ -14,10 +14,11 @@ import random
 from collections.abc import Callable
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from engine import EngineRequest, LoadedModel, SamplingParams
+from engine import EngineRequest, LoadedModel, RequestOutput, SamplingParams, TokenLogprob
 from engine.cache_layout import geometry_for, probe_cache_layout
 from engine.dense import DenseStore
 from engine.kv import KVStore
@@ -140,3 +141,29 @@ def test_a_long_request_holds_window_sized_kv_on_sliding_layers(
     assert decode_steps >= new_tokens - 1
     assert peak_window <= 2 * (window + STEP - 1) * per_layer
     assert h.out.tokens["long"] == _reference(loaded.model, list(prompt), new_tokens)
+
+
+def test_prompt_logprobs_on_the_dense_path_equal_mlx_lms_forward(
+    make_engine: Callable[..., Harness],
+) -> None:
+    loaded = _loaded("gemma3_text")  # 70 tokens: past the 16-token window, in three chunks
+    prompt = tuple(_prompts(seed=4)[2][:70])
+    logits = loaded.model(mx.array(prompt)[None])[0]
+    reference = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    h = make_engine(loaded=loaded, prefill_step_size=STEP, prefix_cache_bytes=0)
+    scores: list[object] = []
+    publish = h.core.publish
+
+    def keep(outputs: list[RequestOutput]) -> None:
+        scores.extend(s for o in outputs for s in o.prompt_logprobs)
+        publish(outputs)
+
+    h.core.publish = keep
+    h.submit(EngineRequest("s", prompt, 0, SamplingParams(temperature=0.0), prompt_logprobs=2))
+    h.run_until(lambda: "s" in h.out.finished)
+    assert len(scores) == len(prompt) and scores[0] is None
+    for j in range(1, len(prompt)):
+        entry = scores[j]
+        assert isinstance(entry, TokenLogprob) and entry.token == prompt[j]
+        assert entry.logprob == pytest.approx(float(reference[j - 1, prompt[j]]), abs=1e-4)
+    assert h.core.store.requests == {}
