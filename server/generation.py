@@ -32,6 +32,7 @@ class ChoiceResult:
     finish_reason: str | None = None
     cached_tokens: int = 0
     logprobs: list[Any] = field(default_factory=list)
+    prompt_logprobs: tuple[Any, ...] = ()  # the prompt's scores, when the request asked
 
 
 def _no_processor() -> LogitsProcessor | None:
@@ -50,6 +51,7 @@ class Prepared:
     # Further prompts served as one batch (/v1/completions with a list of prompts):
     # choice i*n + j answers prompt i.
     more_prompts: tuple[tuple[int, ...], ...] = ()
+    prompt_logprobs: int | None = None  # score the prompts (echo with logprobs), N alternatives
 
     @property
     def prompts(self) -> list[tuple[int, ...]]:
@@ -83,7 +85,7 @@ def prepare(
             f"{requested or 1} for the completion). Shorten the prompt or lower max_tokens.",
             code="context_length_exceeded", param="messages",
         )
-    max_tokens = requested or min(default_max_tokens, room)
+    max_tokens = requested if requested is not None else min(default_max_tokens, room)
     sampling = SamplingParams(
         temperature=body.temperature,
         top_p=body.top_p,
@@ -137,6 +139,7 @@ class Generation:
                 sampling=sampling,
                 stop_token_ids=stop_ids,
                 arrival=self.started,
+                prompt_logprobs=prepared.prompt_logprobs,
             )
             try:
                 self._streams.append(engine.submit(request))
@@ -199,6 +202,8 @@ class Generation:
             choice = self.choices[index]
             if choice.finish_reason is not None:
                 continue
+            if output.prompt_logprobs:
+                choice.prompt_logprobs = output.prompt_logprobs
             if self.first_token_at is None and output.new_tokens:
                 self.first_token_at = time.monotonic()
             delta = choice.text.add(output.new_tokens, output.logprobs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -57,15 +57,28 @@ def _chat_logprobs(tokenizer: Any, items: list[TokenLogprob]) -> dict[str, Any]:
     }
 
 
-def _completion_logprobs(tokenizer: Any, items: list[TokenLogprob], offset: int) -> dict[str, Any]:
-    tokens, values, tops, offsets = [], [], [], []
-    for lp in items:
-        text = _token_text(tokenizer, lp.token)
+def _completion_logprobs(tokenizer: Any, items: Sequence[TokenLogprob | None], offset: int,
+                         prompt: Sequence[int] = ()) -> dict[str, Any]:
+    """The legacy completions shape. `top_logprobs` holds the `logprobs` most likely tokens
+    and the sampled one, as OpenAI's does (so `logprobs: 0` gives the sampled token alone).
+    A scored prompt's entries come first; its first token has nothing before it: null."""
+    tokens: list[str] = []
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for i, lp in enumerate(items):
+        text = _token_text(tokenizer, lp.token if lp is not None else prompt[i])
         tokens.append(text)
-        values.append(lp.logprob)
-        tops.append({_token_text(tokenizer, t): v for t, v in lp.top})
         offsets.append(offset)
         offset += len(text)
+        if lp is None:
+            values.append(None)
+            tops.append(None)
+            continue
+        values.append(lp.logprob)
+        top = {_token_text(tokenizer, t): v for t, v in lp.top}
+        top.setdefault(text, lp.logprob)
+        tops.append(top)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -89,7 +102,8 @@ async def _tokenize_prompts(state: ServerState, body: CompletionRequest) -> list
 
 
 def _start(state: ServerState, body: Any, tokens: list[int] | list[list[int]], logprobs: bool, top: int,
-           new_processor: ProcessorFactory | None = None) -> Generation:
+           new_processor: ProcessorFactory | None = None, *,
+           prompt_logprobs: int | None = None) -> Generation:
     """Prepare (each prompt checked against the context) and submit the generation."""
     batch: list[list[int]] = tokens if tokens and isinstance(tokens[0], list) else [tokens]  # type: ignore[list-item]
     each = [
@@ -108,6 +122,7 @@ def _start(state: ServerState, body: Any, tokens: list[int] | list[list[int]], l
     prepared = dataclasses.replace(
         each[0], max_tokens=min(p.max_tokens for p in each),
         more_prompts=tuple(tuple(p.prompt_tokens) for p in each[1:]),
+        prompt_logprobs=prompt_logprobs,
     )
     return Generation(state.engine, state.tokenizer, prepared,
                       timeout_s=state.settings.request_timeout_s)
@@ -267,8 +282,10 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
     check_logit_bias(state, body.logit_bias_pairs())
     prompts = await _tokenize_prompts(state, body)
     want_logprobs = body.logprobs is not None
+    scored = body.logprobs if body.echo and want_logprobs else None
     shaping = Shaping(None, body.frequency_penalty, body.presence_penalty)
-    generation = _start(state, body, prompts, want_logprobs, body.logprobs or 0, shaping.factory())
+    generation = _start(state, body, prompts, want_logprobs, body.logprobs or 0, shaping.factory(),
+                        prompt_logprobs=scored)
     request.state.generation = generation
     tokenizer = state.tokenizer
     offsets = [0] * len(generation.choices)
@@ -294,11 +311,34 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
         offsets[index] += sum(len(t) for t in result["tokens"])
         return result
 
+    echoes = [p if isinstance(p, str) else tokenizer.decode(p) for p in body.prompts] if body.echo else []
+
+    def prefix(index: int) -> str:
+        return echoes[index // body.n] if echoes else ""
+
+    def prompt_logprobs_for(choice: ChoiceResult) -> dict[str, Any] | None:
+        """The echoed prompt's entries (scored when logprobs were asked), before the
+        generated tokens', whose offsets then continue after the echoed text."""
+        if not want_logprobs or not body.echo:
+            return None
+        prompt = prompts[choice.index // body.n]
+        result = _completion_logprobs(tokenizer, choice.prompt_logprobs or [None] * len(prompt), 0, prompt)
+        offsets[choice.index] = len(prefix(choice.index))
+        return result
+
     if body.stream:
         first = await _first_or_error(generation)
+        echoed: set[int] = set()
 
         def event(choice: ChoiceResult, delta: TextDelta, finish: str | None) -> bytes:
-            return _sse(payload([{
+            head = b""
+            if body.echo and choice.index not in echoed:  # the prompt goes first
+                echoed.add(choice.index)
+                head = _sse(payload([{
+                    "index": choice.index, "text": prefix(choice.index),
+                    "logprobs": prompt_logprobs_for(choice), "finish_reason": None,
+                }], None))
+            return head + _sse(payload([{
                 "index": choice.index,
                 "text": delta.text,
                 "logprobs": logprobs_for(choice.index, delta.logprobs),
@@ -313,20 +353,16 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
         await gather(generation, request)
     finally:
         generation.close()
-    echoes = [p if isinstance(p, str) else tokenizer.decode(p) for p in body.prompts] if body.echo else []
 
-    def prefix(index: int) -> str:
-        return echoes[index // body.n] if echoes else ""
+    def choice_body(c: ChoiceResult) -> dict[str, Any]:
+        echoed = prompt_logprobs_for(c)
+        own = logprobs_for(c.index, c.logprobs)
+        if echoed is not None and own is not None:
+            own = {k: echoed[k] + own[k] for k in own}
+        return {"index": c.index, "text": prefix(c.index) + c.text.text, "logprobs": own,
+                "finish_reason": c.finish_reason}
 
-    return JSONResponse(payload([
-        {
-            "index": c.index,
-            "text": prefix(c.index) + c.text.text,
-            "logprobs": logprobs_for(c.index, c.logprobs),
-            "finish_reason": c.finish_reason,
-        }
-        for c in generation.choices
-    ], generation.usage()))
+    return JSONResponse(payload([choice_body(c) for c in generation.choices], generation.usage()))
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:

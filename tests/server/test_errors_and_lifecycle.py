@@ -31,7 +31,7 @@ def assert_error(r: httpx.Response, status: int, code: str | None = None) -> dic
         ({"model": MODEL, "messages": []}, "messages"),
         ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
         ({"model": MODEL, "messages": MESSAGES, "temperature": 5}, "temperature"),
-        ({"model": MODEL, "messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
+        ({"model": MODEL, "messages": MESSAGES, "max_tokens": -1}, "max_tokens"),
         ({"model": MODEL, "messages": MESSAGES, "top_logprobs": 3}, None),
         ({"model": MODEL, "messages": MESSAGES, "n": 100}, "n"),
         ({"model": MODEL, "messages": MESSAGES, "stop": ["x"] * 17}, "stop"),

@@ -1,0 +1,100 @@
+"""`/v1/completions` with `echo` and `logprobs`, as evaluation harnesses call it
+(lm-evaluation-harness's `local-completions`): every prompt token scored, the first
+null, offsets into the echoed text, `max_tokens: 0` scoring without generating, and the
+numbers equal mlx-lm's own forward pass on the same weights."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tests.conftest import MODEL
+
+PROMPT = "The quick brown fox jumps over the lazy dog"
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_path):
+    from mlx_lm import load
+
+    model, tokenizer = load(str(tiny_model_path))
+
+    def score(tokens: list[int]) -> np.ndarray:
+        logits = model(mx.array(tokens)[None])[0].astype(mx.float32)
+        return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+    return tokenizer, score
+
+
+def _complete(server, **body) -> dict:
+    r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={"model": MODEL, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_echo_with_logprobs_scores_every_prompt_token_like_mlx_lm(server, reference):
+    tokenizer, score = reference
+    tokens = tokenizer.encode(PROMPT)
+    out = _complete(server, prompt=PROMPT, echo=True, logprobs=2, max_tokens=0)
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["text"] == PROMPT
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(tokens) == out["usage"]["prompt_tokens"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    ref = score(tokens)
+    expected = [float(ref[j - 1, tokens[j]]) for j in range(1, len(tokens))]
+    assert lp["token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
+    assert lp["text_offset"][0] == 0
+    assert lp["text_offset"] == sorted(lp["text_offset"])
+    for j in range(1, len(tokens)):  # up to 2 alternatives, the prompt's own token always there
+        assert lp["tokens"][j] in lp["top_logprobs"][j] and len(lp["top_logprobs"][j]) <= 3
+    assert out["usage"]["completion_tokens"] == 0
+
+
+def test_echo_then_generated_tokens_continue_the_offsets(server):
+    out = _complete(server, prompt=PROMPT, echo=True, logprobs=0, max_tokens=3, temperature=0)
+    lp = out["choices"][0]["logprobs"]
+    prompt_tokens = out["usage"]["prompt_tokens"]
+    assert len(lp["tokens"]) == prompt_tokens + 3
+    assert lp["text_offset"][prompt_tokens] == len(PROMPT)
+    assert all(len(t) == 1 for t in lp["top_logprobs"][1:])  # logprobs 0: the sampled token alone
+
+
+def test_token_id_prompts_in_a_list_are_scored_each(server, reference):
+    tokenizer, score = reference
+    batch = [tokenizer.encode("hello world"), tokenizer.encode(PROMPT)]
+    out = _complete(server, prompt=batch, echo=True, logprobs=1, max_tokens=0)
+    for choice in out["choices"]:
+        tokens = batch[choice["index"]]
+        ref = score(tokens)
+        got = choice["logprobs"]["token_logprobs"]
+        assert got[0] is None
+        assert got[1:] == pytest.approx([float(ref[j - 1, tokens[j]]) for j in range(1, len(tokens))],
+                                        abs=1e-4)
+
+
+def test_streaming_echo_sends_the_prompt_and_its_scores_first(server):
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 2,
+        "stream": True, "temperature": 0,
+    }) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    first = chunks[0]["choices"][0]
+    assert first["text"] == PROMPT and first["logprobs"]["token_logprobs"][0] is None
+    assert len(first["logprobs"]["tokens"]) > 1
+    generated = [c["choices"][0]["text"] for c in chunks[1:]]
+    assert len("".join(generated)) > 0
+
+
+def test_chat_with_max_tokens_0_is_an_empty_answer(server):
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and not choice["message"]["content"]
