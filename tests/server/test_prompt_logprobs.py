@@ -98,3 +98,36 @@ def test_chat_with_max_tokens_0_is_an_empty_answer(server):
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "length" and not choice["message"]["content"]
+
+
+def test_lm_eval_local_completions_loglikelihoods_equal_mlx_lms(server, reference):
+    """The requests lm-evaluation-harness's `local-completions` sends for a multiple-choice
+    task (token-id prompts of context + continuation, batched, `max_tokens: 1`, `echo`,
+    `logprobs: 1`) and its own parsing (`sum(token_logprobs[ctxlen:-1])`, greedy when each
+    token is its position's best): real numbers, equal to mlx-lm's forward pass."""
+    tokenizer, score = reference
+    questions = [
+        ("The capital of France is", [" Paris", " a banana", " seventeen"]),
+        ("Two plus two equals", [" four", " the moon"]),
+    ]
+    requests = [(tokenizer.encode(ctx), tokenizer.encode(ctx + choice)) for ctx, choices in questions
+                for choice in choices]
+    body = {"prompt": [full for _, full in requests], "temperature": 0, "max_tokens": 1,
+            "logprobs": 1, "seed": 1234, "echo": True}
+    out = _complete(server, **body)
+    choices = sorted(out["choices"], key=lambda c: c["index"])
+    assert len(choices) == len(requests)
+    for (ctx, full), choice in zip(requests, choices, strict=True):
+        ctxlen = len(ctx)
+        token_logprobs = choice["logprobs"]["token_logprobs"]
+        assert len(token_logprobs) == len(full) + 1  # the prompt, then the one generated token
+        loglikelihood = sum(token_logprobs[ctxlen:-1])
+        ref = score(full)
+        expected = sum(float(ref[j - 1, full[j]]) for j in range(ctxlen, len(full)))
+        assert loglikelihood == pytest.approx(expected, abs=1e-3)
+        assert loglikelihood < 0
+        tops = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+        greedy = all(lp == max(top.values()) for lp, top in zip(token_logprobs[ctxlen:-1], tops,
+                                                                strict=True))
+        ref_greedy = all(int(np.argmax(ref[j - 1])) == full[j] for j in range(ctxlen, len(full)))
+        assert greedy == ref_greedy
