@@ -3,18 +3,32 @@
 from __future__ import annotations
 
 import argparse
+import io
+import logging
 import os
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
+from pathlib import Path
 from typing import Any
 
 import uvicorn
 
 from server.settings import Settings
 
-EXIT_ENGINE_DIED = 1
-EXIT_STARTUP_FAILED = 3  # uvicorn's own code for a failed startup
+# How `serve` exits, in one place (a supervisor acts on these; server.service.fatal):
+EXIT_OK = 0  # a clean stop: SIGTERM drained what was in flight
+EXIT_ENGINE_DIED = 1  # the engine died: a supervisor should start a fresh process
+EXIT_BAD_SETTINGS = 2  # flags or settings that cannot be served (argparse's code too)
+EXIT_STARTUP_FAILED = 3  # the model or the machine could not be read, the model could not
+#                          load, or the port could not be bound (uvicorn's own code)
+EXIT_DOES_NOT_FIT = 4  # load admission: the model does not fit (server.model_fit)
+# A restart would fail the same way: systemd's unit does not restart these
+# (RestartPreventExitStatus=), and with --fatal-file the server records why and exits 0,
+# which launchd's KeepAlive {SuccessfulExit: false} does not restart.
+CONFIGURATION_ERRORS = frozenset({EXIT_BAD_SETTINGS, EXIT_STARTUP_FAILED, EXIT_DOES_NOT_FIT})
+LOG_MAX_BYTES = 10 * 1024 * 1024
+LOG_BACKUPS = 3
 
 
 class _Server(uvicorn.Server):
@@ -107,6 +121,17 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-prompts", action="store_true", default=None,
                        help="put prompt and completion text in the access log")
     serve.add_argument("--log-level")
+    serve.add_argument("--log-file", type=Path,
+                       help="write the log to this file, rotated by size, instead of stderr "
+                       "(what `service install` sets on macOS)")
+    serve.add_argument("--log-max-bytes", type=int, default=LOG_MAX_BYTES,
+                       help=f"rotate --log-file at this size (default {LOG_MAX_BYTES})")
+    serve.add_argument("--log-backups", type=int, default=LOG_BACKUPS,
+                       help=f"rotated files kept beside --log-file (default {LOG_BACKUPS})")
+    serve.add_argument("--fatal-file", type=Path,
+                       help="on a configuration error (exit 2, 3 or 4) write why to this file and "
+                       "exit 0, so that a supervisor restarting failed processes (launchd's "
+                       "KeepAlive) does not retry it forever; removed at start")
     serve.add_argument("--responses-store-entries", type=int)
     serve.add_argument("--responses-store-bytes", type=int)
     serve.add_argument("--tensor-parallel", type=int, help="split the model across N ranks "
@@ -141,9 +166,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# serve flags about the process, not the server's settings
+_PROCESS_FLAGS = ("command", "env_file", "log_file", "log_max_bytes", "log_backups", "fatal_file")
+
+
 def settings_from_args(args: argparse.Namespace) -> Settings:
     overrides: dict[str, Any] = {
-        k: v for k, v in vars(args).items() if k not in ("command", "env_file") and v is not None
+        k: v for k, v in vars(args).items() if k not in _PROCESS_FLAGS and v is not None
     }
     models = overrides.get("model")
     if isinstance(models, list):  # `serve --model` is repeatable: the first is the default
@@ -180,7 +209,20 @@ def main(argv: list[str] | None = None) -> int:
         from server.service import main as service_main
 
         return service_main(argv[1:], validate=_check_serve_flags)
-    args = _parser().parse_args(argv)
+    fatal_file = _fatal_file(argv)
+    if fatal_file is not None:
+        from server.service import fatal
+
+        fatal.clear(fatal_file)
+    errors = io.StringIO()
+    try:
+        with redirect_stderr(errors):
+            args = _parser().parse_args(argv)
+    except SystemExit as exc:
+        sys.stderr.write(errors.getvalue())
+        if exc.code != EXIT_BAD_SETTINGS:
+            raise
+        return _stop(fatal_file, EXIT_BAD_SETTINGS, errors.getvalue().strip().splitlines()[-1:])
     if args.command == "build-default-model":
         from engine.tiny_model import ensure_default_model
 
@@ -193,13 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = settings_from_args(args)
     except ValueError as exc:  # pydantic's ValidationError: a setting that cannot be served
-        print(f"mlx-headroom: {exc}", file=sys.stderr)
-        return 2
+        return _stop(fatal_file, EXIT_BAD_SETTINGS, exc)
     from server.auth import startup_problem
 
     if (problem := startup_problem(settings)) is not None:
-        print(f"mlx-headroom: {problem}", file=sys.stderr)
-        return 2
+        return _stop(fatal_file, EXIT_BAD_SETTINGS, problem)
     from server.access_log import configure_logging
 
     if from_command_line:
@@ -207,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
 
         leave_jemalloc(settings.malloc)
     configure_logging(settings.log_level)
+    _log_to_file(args)
     if (settings.tensor_parallel > 1 or settings.hostfile) and "MLX_RANK" not in os.environ:
         from engine.distributed import launcher
 
@@ -219,8 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         tensor_parallel = settings.tensor_parallel > 1 or settings.hostfile
         load_admission = None if tensor_parallel else admit_load(settings)
     except LoadRefused as exc:
-        print(f"mlx-headroom: not loading {settings.public_model_name}: {exc}", file=sys.stderr)
-        return exc.exit_code
+        return _stop(fatal_file, exc.exit_code, f"not loading {settings.public_model_name}: {exc}")
     from server.app import create_app
 
     servers: list[_Server] = []
@@ -249,13 +289,76 @@ def main(argv: list[str] | None = None) -> int:
     servers.append(server)
     if extra:
         rank.attach(app, server)
-    server.run()
+    with _first_error() as first_error:
+        try:
+            server.run()
+        except SystemExit as exc:  # uvicorn exits 3 when it cannot bind the port
+            if exc.code != EXIT_STARTUP_FAILED:
+                raise
     if not server.started:
-        return EXIT_STARTUP_FAILED
+        return _stop(fatal_file, EXIT_STARTUP_FAILED, first_error() or "the server did not start")
     if server.exit_code == 0 and not app.state.server.engine.stopped_cleanly:
         print("mlx-headroom: the engine did not stop cleanly", file=sys.stderr)
         return EXIT_ENGINE_DIED
     return server.exit_code
+
+
+def _fatal_file(argv: list[str]) -> Path | None:
+    """`serve --fatal-file`, read before the full parse, which may be what fails."""
+    if argv[:1] != ["serve"]:
+        return None
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--fatal-file", type=Path)
+    known, _ = parser.parse_known_args(argv[1:])
+    path: Path | None = known.fatal_file
+    return path
+
+
+def _stop(fatal_file: Path | None, code: int, reason: object) -> int:
+    """A configuration error: say why; with --fatal-file record it and exit 0 (launchd's
+    KeepAlive would restart a non-zero exit every 10 s, and it would fail the same way)."""
+    text = " ".join(str(r) for r in reason) if isinstance(reason, list) else str(reason)
+    text = text.removeprefix("mlx-headroom: ").strip() or f"exit {code}"
+    print(f"mlx-headroom: {text}", file=sys.stderr)
+    if fatal_file is None:
+        return code
+    from server.service import fatal
+
+    fatal.write(fatal_file, code, text)
+    print(f"mlx-headroom: a configuration error (exit {code}): recorded in {fatal_file}; "
+          f"exiting {EXIT_OK} so that the supervisor does not restart it", file=sys.stderr)
+    return EXIT_OK
+
+
+def _log_to_file(args: argparse.Namespace) -> None:
+    if getattr(args, "log_file", None) is not None:
+        from server.log_file import log_to_file
+
+        log_to_file(args.log_file, max_bytes=args.log_max_bytes, backups=args.log_backups)
+
+
+class _FirstError(logging.Handler):
+    """Keeps the first error logged (with its exception), the reason a start-up failed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.reason: str | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.reason is None:
+            exc = record.exc_info[1] if record.exc_info else None
+            self.reason = record.getMessage() + (f": {type(exc).__name__}: {exc}" if exc else "")
+
+
+@contextmanager
+def _first_error() -> Iterator[Any]:
+    handler = _FirstError()
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        yield lambda: handler.reason
+    finally:
+        root.removeHandler(handler)
 
 
 if __name__ == "__main__":

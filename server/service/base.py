@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,14 +26,30 @@ class ServicePaths:
     log_dir: Path | None  # launchd only
 
 
+def run_tool(cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    """Run the supervisor's tool as it is (the default `Context.tool`), echoing the command."""
+    print("+ " + " ".join(cmd))
+    return subprocess.run(list(cmd), capture_output=True, text=True)
+
+
+Tool = Callable[[Sequence[str]], subprocess.CompletedProcess[str]]
+
+
 @dataclass(frozen=True)
 class Context:
-    """Where and how: the directories to install under, and a sink for what we print."""
+    """Where and how: the directories to install under, the supervisor's tool, and time.
+
+    `tool`, `sleep` and `clock` are the seams: tests replay recorded launchctl answers and
+    a fake clock, so the waits and retries run without a Mac and without sleeping."""
 
     home: Path
     root: Path = Path("/")
     system: bool = False
     dry_run: bool = False
+    domain: str | None = None  # launchd: the domain asked for (--domain); None: chosen
+    tool: Tool = run_tool
+    sleep: Callable[[float], None] = time.sleep
+    clock: Callable[[], float] = time.monotonic
 
     def under_root(self, path: str) -> Path:
         return self.root / path.lstrip("/")
@@ -68,16 +85,17 @@ def make_dir(path: Path, *, owner: str | None = None) -> None:
         _chown(path, owner)
 
 
-def run(cmd: Sequence[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run the supervisor's tool, echoing the command; raise with its output on failure."""
-    print("+ " + " ".join(cmd))
-    result = subprocess.run(list(cmd), capture_output=True, text=True)
+def run(cmd: Sequence[str], *, check: bool = True,
+        tool: Tool = run_tool) -> subprocess.CompletedProcess[str]:
+    """Run the supervisor's tool; raise with its output on failure when `check`."""
+    result = tool(cmd)
     if check and result.returncode != 0:
-        raise RuntimeError(
-            f"{cmd[0]} failed with status {result.returncode}: "
-            f"{(result.stderr or result.stdout).strip()}"
-        )
+        raise RuntimeError(f"{cmd[0]} failed with status {result.returncode}: {output(result)}")
     return result
+
+
+def output(result: subprocess.CompletedProcess[str]) -> str:
+    return ((result.stderr or "") + (result.stdout or "")).strip()
 
 
 def health_line(spec_args: Sequence[str]) -> str:

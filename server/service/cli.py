@@ -35,6 +35,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--root", type=Path, default=Path("/"),
                         help="install a --system service under this directory instead of / "
                         "(for packaging and tests)")
+    parser.add_argument("--domain",
+                        help="launchd: the domain for install/uninstall/status (e.g. gui/501, "
+                        "user/501; default: system with --system, else gui/<uid> when this user "
+                        "has a GUI login session, user/<uid> otherwise)")
     parser.add_argument("-n", "--lines", type=int, default=200, help="logs: how many lines")
     parser.add_argument("-f", "--follow", action="store_true", help="logs: keep following")
     return parser
@@ -50,7 +54,7 @@ def main(argv: Sequence[str], *, validate: Validate | None = None) -> int:
     args, serve_argv = _parser().parse_known_args(list(argv))
     manager = _manager(args.manager)
     ctx = Context(home=Path(os.environ.get("HOME") or Path.home()), root=args.root,
-                  system=args.system, dry_run=args.dry_run)
+                  system=args.system, dry_run=args.dry_run, domain=args.domain)
     if args.action != "install" and serve_argv:
         print(f"mlx-headroom service {args.action}: unexpected arguments {' '.join(serve_argv)}",
               file=sys.stderr)
@@ -75,11 +79,15 @@ def _install(manager: ModuleType, ctx: Context, args: argparse.Namespace, serve_
              validate: Validate | None) -> int:
     if any(a == "--env-file" or a.startswith("--env-file=") for a in serve_argv):
         raise ValueError("--env-file is the service's own; give the keys as --api-key/--admin-key")
+    paths = manager.paths(ctx)
+    own = manager.service_args(paths)
+    for flag in own[::2]:
+        if any(a == flag or a.startswith(flag + "=") for a in serve_argv):
+            raise ValueError(f"{flag} is the service's own ({' '.join(own)})")
     if validate is not None and (problem := validate(serve_argv)) is not None:
         print(f"mlx-headroom service install: {problem}", file=sys.stderr)
         return 2
     rest, secrets = split_secrets(absolute_paths(serve_argv))
-    paths = manager.paths(ctx)
     run_as = (args.run_as or os.environ.get("SUDO_USER")) if ctx.system else None
     spec = ServiceSpec(
         program=console_script(),
@@ -89,5 +97,6 @@ def _install(manager: ModuleType, ctx: Context, args: argparse.Namespace, serve_
         system=ctx.system,
         run_as=run_as or None,
         log_dir=paths.log_dir,
+        service_args=tuple(own),
     )
     return int(manager.install(ctx, spec))

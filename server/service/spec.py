@@ -34,10 +34,12 @@ class ServiceSpec:
     system: bool = False
     run_as: str | None = None  # the user a system service runs as (None: root)
     log_dir: Path | None = None  # launchd only: journald keeps systemd's logs
+    service_args: tuple[str, ...] = ()  # the supervisor's own serve flags (launchd: the log)
 
     @property
     def arguments(self) -> list[str]:
-        return [*self.program, "serve", "--env-file", str(self.env_file), *self.serve_args]
+        return [*self.program, "serve", "--env-file", str(self.env_file), *self.service_args,
+                *self.serve_args]
 
     def env_text(self) -> str:
         lines = [f"{key}={_env_quote(value)}" for key, value in sorted(self.secrets.items())]

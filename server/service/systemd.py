@@ -1,8 +1,9 @@
 """Linux: a systemd user unit (default), or a system unit with --system.
 
 `Restart=on-failure` restarts the server when it exits with an error (it exits 1 when its
-engine dies) but not after a clean stop, nor after exit 2 (bad settings) or 4 (the model
-does not fit), which a restart cannot change; `TimeoutStopSec` gives the drain on SIGTERM time
+engine dies) but not after a clean stop, nor after a configuration error (exit 2: bad
+settings, 3: the model cannot load, 4: it does not fit; `server.cli`), which a restart
+cannot change; `TimeoutStopSec` gives the drain on SIGTERM time
 before systemd's SIGKILL. Logs go to the journal (`service logs` runs journalctl). A user
 unit runs while its user is logged in; `loginctl enable-linger USER` keeps it running
 without a session.
@@ -24,6 +25,13 @@ from server.service.base import (
     write_public,
 )
 from server.service.spec import NAME, UNIT, ServiceSpec
+
+# The same numbers as server.cli's (a test holds them equal); not imported from there, which
+# would load the whole server (uvicorn) to write a unit file.
+CONFIGURATION_ERRORS = frozenset({2, 3, 4})
+EXIT_MEANINGS = {1: "the engine died; restarted", 2: "bad settings; not restarted",
+                 3: "the server or its model could not start; not restarted",
+                 4: "the model does not fit; not restarted"}
 
 RESTART_SEC = 5
 TIMEOUT_STOP_S = 60  # the server drains for up to 30 s (shutdown_grace_s) on SIGTERM
@@ -59,9 +67,9 @@ def render_unit(spec: ServiceSpec) -> str:
         f"WorkingDirectory={quote(str(spec.env_file.parent))}",
         "Environment=PYTHONUNBUFFERED=1",
         "Restart=on-failure",
-        # 2: bad settings, 4: the model does not fit (load admission). A restart cannot
-        # change either, so systemd should not loop on them.
-        "RestartPreventExitStatus=2 4",
+        # Configuration errors (server.cli.CONFIGURATION_ERRORS: bad settings, a model that
+        # cannot load, one that does not fit): a restart cannot change them.
+        "RestartPreventExitStatus=" + " ".join(str(c) for c in sorted(CONFIGURATION_ERRORS)),
         f"RestartSec={RESTART_SEC}",
         "KillSignal=SIGTERM",
         f"TimeoutStopSec={TIMEOUT_STOP_S}",
@@ -77,6 +85,11 @@ def render_unit(spec: ServiceSpec) -> str:
         "\n[Service]\n" + "".join(line + "\n" for line in service)
         + f"\n[Install]\nWantedBy={wanted_by}\n"
     )
+
+
+def service_args(p: ServicePaths) -> list[str]:
+    """The serve flags the unit adds: none (the journal keeps and rotates its logs)."""
+    return []
 
 
 def _systemctl(ctx: Context, *args: str) -> list[str]:
@@ -96,7 +109,7 @@ def install(ctx: Context, spec: ServiceSpec) -> int:
     write_private(p.env_file, spec.env_text(), owner=spec.run_as if ctx.system else None)
     write_public(p.config_file, text.encode())
     for cmd in commands:
-        run(cmd)
+        run(cmd, tool=ctx.tool)
     print(f"installed {p.config_file}; logs: mlx-headroom service logs"
           + ("" if ctx.system else f" (to run without a login session: loginctl enable-linger {_user()})"))
     return 0
@@ -114,12 +127,12 @@ def uninstall(ctx: Context) -> int:
             print("# would run: " + " ".join(cmd))
         print(f"# would remove {p.config_file} and {p.env_file}\n# dry run: nothing was removed or run")
         return 0
-    run(commands[0], check=False)
+    run(commands[0], check=False, tool=ctx.tool)
     for path in (p.config_file, p.env_file):
         if path.exists():
             path.unlink()
             print(f"removed {path}")
-    run(commands[1], check=False)
+    run(commands[1], check=False, tool=ctx.tool)
     return 0
 
 
@@ -133,7 +146,7 @@ def status(ctx: Context) -> int:
                       if line.startswith("ExecStart=")), "ExecStart=")
     args = shlex.split(exec_line.partition("=")[2].replace("%%", "%").replace("$$", "$"))
     props = "LoadState,ActiveState,SubState,MainPID,ExecMainStatus"
-    result = run(_systemctl(ctx, "show", UNIT, f"--property={props}"), check=False)
+    result = run(_systemctl(ctx, "show", UNIT, f"--property={props}"), check=False, tool=ctx.tool)
     values = dict(line.partition("=")[::2] for line in result.stdout.splitlines() if "=" in line)
     loaded = values.get("LoadState") == "loaded"
     active = values.get("ActiveState", "unknown")
@@ -142,7 +155,10 @@ def status(ctx: Context) -> int:
     running = f" (pid {pid})" if pid not in ("", "0") else ""
     print(f"state: {active}/{values.get('SubState', '?')}{running}")
     if values.get("ExecMainStatus") not in (None, ""):
-        print(f"last exit code: {values['ExecMainStatus']}")
+        code = values["ExecMainStatus"]
+        meaning = EXIT_MEANINGS.get(int(code)) if code.isdigit() else None
+        print(f"last exit code: {code}" + (f" ({meaning}; `mlx-headroom service logs` says why)"
+                                           if meaning and active != "active" else ""))
     print(health_line(args))
     return 0 if active == "active" else 3
 

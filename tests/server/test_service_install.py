@@ -30,7 +30,10 @@ SECRET = "sk-test-not-in-any-config-file"
 STAND_IN = """#!/bin/sh
 echo "$(basename "$0") $*" >> "$CALLS"
 case "$1 $2" in
-  "print "*) printf '%s\\n' "$LAUNCHCTL_PRINT" ;;
+  "print "*/com.mlx-headroom.server)
+    [ -n "$LAUNCHCTL_PRINT" ] || { echo "Could not find service" >&2; exit 113; }
+    printf '%s\\n' "$LAUNCHCTL_PRINT" ;;
+  "print "*) [ -z "$LAUNCHCTL_NO_GUI" ] || exit 113 ;;
   "show "*|"--user show") printf '%s\\n' "$SYSTEMCTL_SHOW" ;;
 esac
 """
@@ -75,12 +78,14 @@ def test_launch_agent_plist_has_every_key(env):
     raw = plist_path.read_bytes()
     plist = plistlib.loads(raw)
     env_file = env.home / "Library/Application Support/mlx-headroom/env"
-    log = str(env.home / "Library/Logs/mlx-headroom/server.log")
+    logs = env.home / "Library/Logs/mlx-headroom"
+    log = str(logs / "server.stderr.log")  # launchd's: what is written outside logging
     program = plist["ProgramArguments"]
     assert Path(program[0]).is_absolute() and os.access(program[0], os.X_OK)
     assert program[program.index("serve"):] == [
-        "serve", "--env-file", str(env_file), "--model", "/models/my model", "--port", "8123",
-        "--memory-tier", "safe"]
+        "serve", "--env-file", str(env_file), "--log-file", str(logs / "server.log"),
+        "--fatal-file", str(logs / "last-fatal.json"), "--model", "/models/my model", "--port",
+        "8123", "--memory-tier", "safe"]
     assert plist == {
         "Label": LABEL,
         "ProgramArguments": program,
@@ -99,8 +104,11 @@ def test_launch_agent_plist_has_every_key(env):
     assert f"MLX_HEADROOM_API_KEY={SECRET}" in env_file.read_text()
     assert Path(log).parent.is_dir()
     uid = os.getuid()
-    assert env.tool_calls() == [f"launchctl bootout gui/{uid}/{LABEL}",
+    assert env.tool_calls() == [f"launchctl print gui/{uid}",  # a GUI session: gui/<uid>
+                                f"launchctl bootout gui/{uid}/{LABEL}",
+                                f"launchctl print gui/{uid}/{LABEL}",  # gone: bootstrap
                                 f"launchctl bootstrap gui/{uid} {plist_path}"]
+    assert f"launchd domain: gui/{uid}" in r.stdout
 
     env.extra["LAUNCHCTL_PRINT"] = f"gui/{uid}/{LABEL} = {{\n\tstate = running\n\tpid = 4242\n}}"
     status = env.run("status", "--manager", "launchd")
@@ -108,10 +116,12 @@ def test_launch_agent_plist_has_every_key(env):
     assert "health: http://127.0.0.1:8123/health unreachable" in status.stdout
     assert status.returncode == 0
 
+    del env.extra["LAUNCHCTL_PRINT"]  # booted out: gone
     r = env.run("uninstall", "--manager", "launchd")
     assert r.returncode == 0, r.stderr
     assert not plist_path.exists() and not env_file.exists()
-    assert env.tool_calls()[-1] == f"launchctl bootout gui/{uid}/{LABEL}"
+    assert env.tool_calls()[-2:] == [f"launchctl bootout gui/{uid}/{LABEL}",
+                                     f"launchctl print gui/{uid}/{LABEL}"]
     assert not any(" load" in c or "unload" in c for c in env.tool_calls())
 
 
@@ -122,7 +132,7 @@ def test_launch_daemon_runs_as_a_user_and_logs_under_library(env, tmp_path):
     assert r.returncode == 0, r.stderr
     path = root / "Library/LaunchDaemons" / f"{LABEL}.plist"
     plist = plistlib.loads(path.read_bytes())
-    log = str(root / "Library/Logs/mlx-headroom/server.log")
+    log = str(root / "Library/Logs/mlx-headroom/server.stderr.log")
     assert plist["UserName"] == "daemon"
     assert (plist["StandardOutPath"], plist["StandardErrorPath"]) == (log, log)
     assert plist["KeepAlive"] == {"SuccessfulExit": False} and plist["RunAtLoad"] is True
@@ -183,7 +193,7 @@ def test_systemd_units_pass_systemd_analyze_verify(env, tmp_path):
     user_unit = env.home / ".config/systemd/user/mlx-headroom.service"
     text = user_unit.read_text()
     assert "Restart=on-failure" in text and "WantedBy=default.target" in text
-    assert "RestartPreventExitStatus=2 4" in text  # no restart loop on a model that cannot fit
+    assert "RestartPreventExitStatus=2 3 4" in text  # no restart loop on configuration errors
     assert SECRET not in text
     assert stat.S_IMODE((env.home / ".config/mlx-headroom/env").stat().st_mode) == 0o600
     _verify(user_unit, user=True, runtime=runtime)

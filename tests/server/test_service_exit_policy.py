@@ -1,0 +1,68 @@
+"""The KeepAlive policy: a configuration error (exit 2, 3 or 4) must not become a restart
+loop. launchd restarts every non-zero exit (`KeepAlive {SuccessfulExit: false}`), so the
+service's server records why in its --fatal-file and exits 0; systemd's unit lists the
+same codes in RestartPreventExitStatus=. The real CLI in a real process."""
+
+from __future__ import annotations
+
+import os
+import plistlib
+import subprocess
+import sys
+from pathlib import Path
+
+from server import cli, model_fit
+from server.service import fatal, launchd, systemd
+from server.service.base import Context
+from server.service.spec import ServiceSpec
+from tests.conftest import ROOT, free_port
+
+
+def serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "server.cli", "serve", *args], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_the_exit_codes_are_one_list():
+    assert cli.CONFIGURATION_ERRORS == {cli.EXIT_BAD_SETTINGS, cli.EXIT_STARTUP_FAILED,
+                                        cli.EXIT_DOES_NOT_FIT} == {2, 3, 4}
+    assert systemd.CONFIGURATION_ERRORS == cli.CONFIGURATION_ERRORS
+    assert (model_fit.EXIT_DOES_NOT_FIT, model_fit.EXIT_CANNOT_SIZE) == (cli.EXIT_DOES_NOT_FIT,
+                                                                        cli.EXIT_STARTUP_FAILED)
+    assert cli.EXIT_ENGINE_DIED not in cli.CONFIGURATION_ERRORS  # that one is restarted
+
+
+def test_the_plist_runs_the_server_with_a_fatal_file(tmp_path):
+    ctx = Context(home=tmp_path)
+    p = launchd.paths(ctx)
+    spec = ServiceSpec(program=("/bin/mlx-headroom",), serve_args=(), env_file=p.env_file,
+                       log_dir=p.log_dir, service_args=tuple(launchd.service_args(p)))
+    plist = plistlib.loads(launchd.render_plist(spec))
+    assert plist["KeepAlive"] == {"SuccessfulExit": False}  # exit 0 is not restarted
+    args = plist["ProgramArguments"]
+    assert p.log_dir is not None
+    assert args[args.index("--fatal-file") + 1] == str(p.log_dir / fatal.FILE_NAME)
+
+
+def test_a_bad_flag_is_recorded_and_exits_zero(tmp_path: Path):
+    record = tmp_path / "last-fatal.json"
+    r = serve("--memory-tier", "reckless", "--fatal-file", str(record))
+    assert r.returncode == 0, r.stderr
+    found = fatal.read(record)
+    assert found is not None and found.exit_code == 2 and "reckless" in found.reason
+    assert "recorded in" in r.stderr
+    # without --fatal-file (a terminal, systemd): the code itself
+    assert serve("--memory-tier", "reckless").returncode == 2
+
+
+def test_a_model_that_cannot_load_is_recorded_and_exits_zero(tmp_path: Path):
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    record = tmp_path / "last-fatal.json"
+    record.write_text("stale")  # a server that starts removes the old record first
+    r = serve("--model", str(empty), "--port", str(free_port()), "--fatal-file", str(record))
+    assert r.returncode == 0, r.stderr[-3000:]
+    found = fatal.read(record)
+    assert found is not None and found.exit_code == 3, r.stderr[-3000:]
+    assert found.reason and found.reason != "the server did not start"
