@@ -1,4 +1,4 @@
-"""Structured logs: one JSON object per line on stderr, and one access line per request.
+"""One access line per request, written like every log line as JSON (`engine.logs`).
 
 The access line (logger `mlx_headroom.access`) carries the request id, method, path,
 status, token counts, time to first token, total time and the admission outcome. It
@@ -7,13 +7,10 @@ never carries prompt or completion text unless `log_prompts` is set.
 
 from __future__ import annotations
 
-import json
 import logging
-import sys
 import time
 import uuid
 from collections.abc import Callable
-from datetime import datetime, timezone
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -21,35 +18,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.errors import APIError, InsufficientStorage, RequestTimeout, TooManyRequests
 
 access_log = logging.getLogger("mlx_headroom.access")
-
-_STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
-    "message", "color_message"  # uvicorn's copy of the message with terminal colours
-}
-
-
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        out: dict[str, Any] = {
-            "ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        for key, value in record.__dict__.items():
-            if key not in _STANDARD and key not in out:
-                out[key] = value
-        if record.exc_info:
-            out["exc_info"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str, ensure_ascii=False)
-
-
-def configure_logging(level: str) -> None:
-    """Every logger, uvicorn's included, writes JSON lines to stderr."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
 
 
 def admission_outcome(generation: Any, error: APIError | None) -> str | None:

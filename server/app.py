@@ -12,12 +12,13 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 from starlette.middleware.cors import CORSMiddleware
 
-from engine import EngineClient, EngineConfig, LoadedModel, load_model
-from memory import MemoryGuard, Probe, ResilientProbe, Tier, detect_probe
+from engine import EngineClient, LoadedModel, load_model
+from memory import Probe
 from server import anthropic
 from server.access_log import AccessLogMiddleware
 from server.admin_routes import router as admin_router
 from server.auth import AuthMiddleware
+from server.engine_config import engine_config, make_guard
 from server.errors import install_error_handlers
 from server.history import History
 from server.host_guard import HostGuardMiddleware, HostPolicy
@@ -27,6 +28,7 @@ from server.metrics import Metrics
 from server.metrics import router as metrics_router
 from server.model_fit import LoadAdmission
 from server.model_pool import ModelLeaseMiddleware, ModelPool, wants_pool
+from server.models_routes import router as models_router
 from server.openai_routes import router as openai_router
 from server.openapi_doc import install_openapi_errors
 from server.responses import router as responses_router
@@ -48,34 +50,6 @@ def dashboard_dir() -> Path | None:
 
 
 DASHBOARD_DIR = dashboard_dir()
-
-
-def make_guard(settings: Settings, probe: Probe | None = None) -> MemoryGuard:
-    return MemoryGuard(
-        ResilientProbe(probe or detect_probe(settings.memory_probe),
-                       grace_s=settings.memory_probe_grace_s),
-        enabled=settings.memory_guard,
-        tier=Tier(settings.memory_tier),
-        custom_ceiling_bytes=settings.memory_ceiling_bytes,
-        max_reading_age_s=settings.memory_reading_max_age_s,
-    )
-
-
-def engine_config(settings: Settings) -> EngineConfig:
-    return EngineConfig(
-        prefill_step_size=settings.prefill_step_size,
-        max_concurrency=settings.max_concurrency,
-        wait_timeout_s=settings.memory_wait_timeout_s,
-        prefix_cache_bytes=settings.prefix_cache_bytes,
-        prefix_cache_entries=settings.prefix_cache_entries,
-        min_chunk_tokens=settings.min_prefill_chunk,
-        max_step_tokens=settings.max_step_tokens,
-        prefill_batch=settings.prefill_batch,
-        compile_decode=settings.compile_decode,
-        slice_decode=settings.slice_decode,
-        warm_up=settings.warm_up,
-        gil_switch_interval_s=settings.gil_switch_interval_ms / 1000,
-    )
 
 
 def create_app(
@@ -132,6 +106,7 @@ def create_app(
     app.state.tensor_parallel = group  # engine.distributed's GroupProbe on rank 0, else None
     install_error_handlers(app, render=anthropic.render)
     app.include_router(openai_router)
+    app.include_router(models_router)
     app.include_router(anthropic.router)
     app.include_router(responses_router)
     install_openapi_errors(app)

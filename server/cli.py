@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if (problem := startup_problem(settings)) is not None:
         return _stop(fatal_file, EXIT_BAD_SETTINGS, problem)
-    from server.access_log import configure_logging
+    from engine.logs import configure_logging
 
     if from_command_line:
         from server.malloc import leave_jemalloc
@@ -250,8 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     _log_to_file(args)
     if (settings.tensor_parallel > 1 or settings.hostfile) and "MLX_RANK" not in os.environ:
         from engine.distributed import launcher
+        from server.engine_config import group_config
 
-        return launcher.launch(settings, argv)  # starts every rank, rank 0 included
+        return launcher.launch(group_config(settings), argv)  # starts every rank, rank 0 included
     from server.model_fit import LoadRefused, admit_load
 
     try:
@@ -267,9 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     extra: dict[str, Any] = {}
     if settings.tensor_parallel > 1 or settings.hostfile:
         from engine.distributed import launcher
-        from server.app import engine_config, make_guard
+        from server.engine_config import engine_config, group_config, make_guard
 
-        rank = launcher.join_group(settings, engine_config(settings),
+        rank = launcher.join_group(group_config(settings), engine_config(settings),
                                    lambda probe: make_guard(settings, probe))
         if not rank.leader:
             return rank.follow()

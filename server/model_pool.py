@@ -33,6 +33,7 @@ from memory import MemoryGuard
 from memory.decision import usage_bytes
 from memory.fit import FitReport
 from memory.shared import GuardView, SharedCommitments
+from server.engine_config import engine_config
 from server.errors import APIError, InsufficientStorage, NotFound
 from server.model_fit import LoadAdmission, fit_for_settings, fit_json, read_spec
 from server.settings import Settings
@@ -157,8 +158,6 @@ class ModelPool:
         return view  # duck-typed: the engine calls check/record/snapshot/state/ceiling
 
     def new_engine(self, entry: ModelEntry) -> EngineClient:
-        from server.app import engine_config
-
         s = self.settings
         return EngineClient(
             load=lambda: load_model(entry.path, model_id=entry.id, load_format=s.load_format,

@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models."""
+"""OpenAI-compatible routes: /v1/chat/completions and /v1/completions (the models list is
+`server.models_routes`')."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine import TokenLogprob
-from server import anthropic, fastjson
+from server import fastjson
 from server.chat_plan import ChatPlan, plan_chat
 from server.errors import APIError, BadRequest
 from server.generation import ChoiceResult, Generation, gather, prepare
 from server.model_pool import check_served_model, serving_state
 from server.schemas import ChatCompletionRequest, CompletionRequest
-from server.state import ServerState, get_state
+from server.state import ServerState
 from server.structured import ProcessorFactory, Shaping, check_logit_bias, response_format_grammar
 from server.text_stream import TextDelta
 from server.tools import (
@@ -363,41 +364,6 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
                 "finish_reason": c.finish_reason}
 
     return JSONResponse(payload([choice_body(c) for c in generation.choices], generation.usage()))
-
-
-def _model_card(state: ServerState) -> dict[str, Any]:
-    return {
-        "id": state.model_name,
-        "object": "model",
-        "created": state.started_at,
-        "owned_by": "mlx-headroom",
-        "context_length": state.context_length if state.ready else None,
-    }
-
-
-@router.get("/v1/models")
-async def list_models(request: Request) -> dict[str, Any]:
-    state = get_state(request)
-    if "anthropic-version" in request.headers:
-        return anthropic.model_list(state)
-    pool = getattr(request.app.state, "model_pool", None)
-    if pool is not None:  # loaded and loadable models, with their state
-        return {"object": "list", "data": pool.cards(state.started_at)}
-    return {"object": "list", "data": [_model_card(state)]}
-
-
-@router.get("/v1/models/{model:path}")
-async def retrieve_model(model: str, request: Request) -> dict[str, Any]:
-    state = get_state(request)
-    pool = getattr(request.app.state, "model_pool", None)
-    if pool is not None and "anthropic-version" not in request.headers:
-        card = pool.card(model, state.started_at)  # any model it may serve, loaded or not
-        if card is not None:
-            return card
-    check_served_model(state, model)
-    if "anthropic-version" in request.headers:
-        return anthropic.model_card(state)
-    return _model_card(state)
 
 
 def _event_stream(

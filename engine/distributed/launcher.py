@@ -27,9 +27,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from engine.core import EngineConfig
+    from engine.distributed.config import GroupConfig
     from engine.distributed.rank import Rank
     from memory import MemoryGuard, Probe
-    from server.settings import Settings
 
 RANK_FAILED = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
 EXIT_RANK_FAILED = 1
@@ -48,34 +48,34 @@ def is_rank() -> bool:
     return "MLX_RANK" in os.environ
 
 
-def resolve_backend(settings: Settings) -> str:
-    if settings.backend != "auto":
-        return settings.backend
+def resolve_backend(group: GroupConfig) -> str:
+    if group.backend != "auto":
+        return group.backend
     import mlx.core as mx
 
     return "nccl" if mx.cuda.is_available() else "ring"
 
 
-def launch_command(settings: Settings, argv: list[str]) -> list[str]:
-    backend = resolve_backend(settings)
+def launch_command(group: GroupConfig, argv: list[str]) -> list[str]:
+    backend = resolve_backend(group)
     cmd = [sys.executable, "-c", _LAUNCH, "--backend", backend]
-    if settings.hostfile:
-        cmd += ["--hostfile", settings.hostfile]
+    if group.hostfile:
+        cmd += ["--hostfile", group.hostfile]
     else:
-        cmd += ["--hosts", "127.0.0.1", "--repeat-hosts", str(settings.tensor_parallel)]
+        cmd += ["--hosts", "127.0.0.1", "--repeat-hosts", str(group.ranks)]
     if backend == "nccl":
-        cmd += ["--nccl-port", str(settings.tp_port)]
+        cmd += ["--nccl-port", str(group.port)]
     else:
-        cmd += ["--starting-port", str(settings.tp_port)]
+        cmd += ["--starting-port", str(group.port)]
     for name, value in sorted(os.environ.items()):
         if name.startswith("MLX_HEADROOM_") and not SECRET.search(name):
             cmd += ["--env", f"{name}={value}"]
     return [*cmd, "--", sys.executable, "-m", "server.cli", *argv]
 
 
-def launch(settings: Settings, argv: list[str]) -> int:
+def launch(group: GroupConfig, argv: list[str]) -> int:
     """Run the group; 0 when every rank ended cleanly, else non-zero."""
-    proc = subprocess.Popen(launch_command(settings, argv), stderr=subprocess.PIPE,
+    proc = subprocess.Popen(launch_command(group, argv), stderr=subprocess.PIPE,
                             start_new_session=True)
     failed: list[str] = []
 
@@ -110,7 +110,7 @@ def launch(settings: Settings, argv: list[str]) -> int:
     def forward(signum: int, frame: Any) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
-        kill_later(settings.shutdown_grace_s + STOP_GRACE_S)
+        kill_later(group.shutdown_grace_s + STOP_GRACE_S)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
@@ -123,7 +123,7 @@ def launch(settings: Settings, argv: list[str]) -> int:
     return 0
 
 
-def join_group(settings: Settings, config: EngineConfig, make_guard: Callable[[Probe], MemoryGuard]) -> Rank:
+def join_group(group: GroupConfig, config: EngineConfig, make_guard: Callable[[Probe], MemoryGuard]) -> Rank:
     from engine.distributed.rank import Rank
 
-    return Rank(settings, resolve_backend(settings), config=config, make_guard=make_guard)
+    return Rank(group, resolve_backend(group), config=config, make_guard=make_guard)

@@ -20,22 +20,21 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 
 from engine.core import EngineConfig, EngineCore
 from engine.distributed.channel import Channel
+from engine.distributed.config import GroupConfig
 from engine.distributed.loading import load_sharded
 from engine.distributed.lockstep import Lockstep, LockstepAdmission
 from engine.distributed.probe import GroupProbe, rank_probe
 from engine.distributed.watchdog import EXIT_GROUP_FAILED, GroupFailedError, Watchdog
 from engine.errors import EngineDeadError
 from engine.loader import LoadedModel
+from engine.logs import configure_logging
 from memory import MemoryGuard, Probe, detect_probe
-
-if TYPE_CHECKING:
-    from server.settings import Settings
 
 log = logging.getLogger("mlx_headroom.distributed")
 
@@ -55,20 +54,20 @@ def attach(core: EngineCore, lockstep: Lockstep) -> EngineCore:
 class Rank:
     def __init__(
         self,
-        settings: Settings,
+        group: GroupConfig,
         backend: str,
         *,
         config: EngineConfig,
         make_guard: Callable[[Probe], MemoryGuard],
     ) -> None:
-        self.settings = settings
+        self.group_config = group
         self.backend = backend
         self.config = config
         self.make_guard = make_guard
         self.rank = int(os.environ["MLX_RANK"])
         self.leader = self.rank == 0
-        self.watchdog = Watchdog(settings.tp_timeout_s, on_fault=self._on_fault)
-        self.local_probe = rank_probe(detect_probe(settings.memory_probe), self.rank)
+        self.watchdog = Watchdog(group.timeout_s, on_fault=self._on_fault)
+        self.local_probe = rank_probe(detect_probe(group.memory_probe), self.rank)
         # rank 0's guard reads the whole group through this (the engine thread feeds it)
         self.group_probe = GroupProbe(self.local_probe, 0) if self.leader else None
         self.lockstep: Lockstep | None = None
@@ -84,9 +83,9 @@ class Rank:
         if self.group_probe is not None:
             self.group_probe.size = group.size()
         self.lockstep = Lockstep(channel, self.local_probe, self.group_probe)
-        s = self.settings
-        loaded = load_sharded(s.model, group, model_id=s.public_model_name,
-                              load_format=s.load_format, dtype=s.dtype)
+        g = self.group_config
+        loaded = load_sharded(g.model, group, model_id=g.model_id,
+                              load_format=g.load_format, dtype=g.dtype)
         self.lockstep.initial_sync()
         self.watchdog.start()
         return loaded
@@ -137,16 +136,14 @@ class Rank:
     # ---- the other ranks -------------------------------------------------------------
     def follow(self) -> int:
         """Step with rank 0 until it says stop (0) or the group breaks (non-zero)."""
-        from server.access_log import configure_logging
-
-        configure_logging(self.settings.log_level)
+        configure_logging(self.group_config.log_level)
         stopping = threading.Event()
 
         def on_term(signum: int, frame: Any) -> None:
             # Rank 0 drains and then tells us to stop; if it never does, leave anyway.
             if not stopping.is_set():
                 stopping.set()
-                threading.Timer(self.settings.shutdown_grace_s + 10, os._exit, args=(0,)).start()
+                threading.Timer(self.group_config.shutdown_grace_s + 10, os._exit, args=(0,)).start()
 
         signal.signal(signal.SIGTERM, on_term)
         signal.signal(signal.SIGINT, on_term)

@@ -8,11 +8,13 @@ server/chat_plan.py; this package only speaks Anthropic's shapes.
     blocks.py    generated text -> text and tool_use blocks, whole or streamed
     message.py   a generation as Anthropic's message object
     stream.py    ... and as Anthropic's server-sent events
-    routes.py    /v1/messages, /v1/messages/count_tokens, the models list's shape
+    routes.py    /v1/messages, /v1/messages/count_tokens
+    models.py    the models list and a model's card in Anthropic's shape
     errors.py    errors in Anthropic's shape and statuses
 """
 
 from server.anthropic.errors import render
-from server.anthropic.routes import model_card, model_list, router
+from server.anthropic.models import model_card, model_list
+from server.anthropic.routes import router
 
 __all__ = ["model_card", "model_list", "render", "router"]

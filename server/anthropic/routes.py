@@ -12,8 +12,6 @@ local model's context is often smaller than that.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -131,21 +129,3 @@ async def create_message(body: MessagesRequest, request: Request) -> JSONRespons
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
     state = await serving_state(request, body.model, _check_model)
     return {"input_tokens": len((await _plan(state, body, counting=True)).tokens)}
-
-
-def model_card(state: ServerState) -> dict[str, Any]:
-    """GET /v1/models/{id} as Anthropic answers it (for requests carrying anthropic-version)."""
-    created = datetime.fromtimestamp(state.started_at, timezone.utc).isoformat().replace("+00:00", "Z")
-    return {
-        "type": "model",
-        "id": state.model_name,
-        "display_name": state.model_name,
-        "created_at": created,
-        "max_input_tokens": state.context_length if state.ready else None,
-    }
-
-
-def model_list(state: ServerState) -> dict[str, Any]:
-    """GET /v1/models as Anthropic answers it."""
-    card = model_card(state)
-    return {"data": [card], "has_more": False, "first_id": card["id"], "last_id": card["id"]}

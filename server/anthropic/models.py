@@ -1,0 +1,27 @@
+"""The models list and a model's card in Anthropic's shape (for requests carrying
+`anthropic-version`; `server.models_routes` serves both APIs' shapes on one path)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from server.state import ServerState
+
+
+def model_card(state: ServerState) -> dict[str, Any]:
+    """GET /v1/models/{id} as Anthropic answers it."""
+    created = datetime.fromtimestamp(state.started_at, timezone.utc).isoformat().replace("+00:00", "Z")
+    return {
+        "type": "model",
+        "id": state.model_name,
+        "display_name": state.model_name,
+        "created_at": created,
+        "max_input_tokens": state.context_length if state.ready else None,
+    }
+
+
+def model_list(state: ServerState) -> dict[str, Any]:
+    """GET /v1/models as Anthropic answers it."""
+    card = model_card(state)
+    return {"data": [card], "has_more": False, "first_id": card["id"], "last_id": card["id"]}

@@ -1,0 +1,50 @@
+"""GET /v1/models and /v1/models/{id}: one path for two APIs. A request carrying
+`anthropic-version` gets Anthropic's shape (`server.anthropic.models`), any other
+OpenAI's; with a model pool, the OpenAI list holds every model it may serve."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from server.anthropic import models as anthropic_models
+from server.model_pool import check_served_model
+from server.state import ServerState, get_state
+
+router = APIRouter()
+
+
+def openai_card(state: ServerState) -> dict[str, Any]:
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.started_at,
+        "owned_by": "mlx-headroom",
+        "context_length": state.context_length if state.ready else None,
+    }
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    state = get_state(request)
+    if "anthropic-version" in request.headers:
+        return anthropic_models.model_list(state)
+    pool = getattr(request.app.state, "model_pool", None)
+    if pool is not None:  # loaded and loadable models, with their state
+        return {"object": "list", "data": pool.cards(state.started_at)}
+    return {"object": "list", "data": [openai_card(state)]}
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, request: Request) -> dict[str, Any]:
+    state = get_state(request)
+    pool = getattr(request.app.state, "model_pool", None)
+    if pool is not None and "anthropic-version" not in request.headers:
+        card = pool.card(model, state.started_at)  # any model it may serve, loaded or not
+        if card is not None:
+            return card
+    check_served_model(state, model)
+    if "anthropic-version" in request.headers:
+        return anthropic_models.model_card(state)
+    return openai_card(state)
