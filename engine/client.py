@@ -94,7 +94,7 @@ class EngineClient:
         # at CPython's default 5 ms switch interval each handoff can stall the decode loop
         # for that long while the loop is busy streaming. 1 ms (the default) took C=8 from
         # 225 to 536 tok/s on the H200; 0.5 and 0.1 ms were not clearly better
-        # (docs/throughput.md, session 9). The value is process-wide.
+        # (docs/throughput.md). The value is process-wide.
         sys.setswitchinterval(self.config.gil_switch_interval_s)
         interval_ms = round(sys.getswitchinterval() * 1000, 3)  # read back: what the process runs with
         log.info("GIL switch interval: %s ms", interval_ms, extra={"gil_switch_interval_ms": interval_ms})

@@ -1,11 +1,11 @@
 """Decode steps replayed from a traced graph (`mx.compile`) once the batch's shape holds still.
 
-On by default on CUDA only (`EngineConfig.compile_decode`, `engine.loader.on_cuda_by_default`). In
-session 4 the server's A/B on the H200 stayed inside run-to-run noise; once the projections
-were fused (session 6), an interleaved server A/B (eager, compiled, eager, compiled, each a
+On by default on CUDA only (`EngineConfig.compile_decode`, `engine.loader.on_cuda_by_default`). Before
+the projections were fused, the server's A/B on the H200 stayed inside run-to-run noise; once
+they were (`engine.fusion`), an interleaved server A/B (eager, compiled, eager, compiled, each a
 fresh server) had compiled ahead in all 8 pairs: C=1 99-115 against 133-149 tok/s, C=32
 1,517-1,777 against 1,776-2,092, steady TPOT at C=32 13.9-14.9 against 9.8-12.0 ms
-(docs/throughput.md, session 7). The CPU and Metal were not measured, so they stay eager.
+(docs/throughput.md). The CPU and Metal were not measured, so they stay eager.
 
 Why it was tried: on CUDA the decode step is host-bound. The model's Python builds ~1,650 ops per step
 for an 8B model and MLX encodes each, while the device waits about 0.1 ms per step

@@ -62,14 +62,14 @@ class EngineConfig:
     max_step_tokens: int | None = None  # tokens per step, decode rows included (None: prefill_step_size)
     prefill_batch: int = 8  # most prompts' chunks in one prefill model call (1: one per call)
     # Replay decode steps from traced graphs (engine.compiled_decode). None: on for CUDA,
-    # where it won every interleaved server A/B (docs/throughput.md, session 7).
+    # where it won every interleaved server A/B (docs/throughput.md).
     compile_decode: bool | None = None
     compile_after: int = 4  # steps a batch shape must hold before it is traced
     # A lone decoding row on consecutive blocks is attended as one slice of the pool, by MLX's
     # fused SDPA, and stepped eagerly (engine.kv.attention.run_decode). None: always where
     # decode steps are eager; where they are replayed, whichever of the slice and the graph
     # stepped faster on this machine's first lone rows (engine.slice_choice): on two H200
-    # machines the slice won by 13 % and lost by 6 % at C=1 (docs/throughput.md, session 12).
+    # machines the slice won by 13 % and lost by 6 % at C=1 (docs/throughput.md).
     # The kept path stays watched: on a third the slice won its trial, then slowed to 1.8x.
     slice_decode: bool | None = None
     # Run a few small requests before serving, so that first-use kernel compilation is not

@@ -5,12 +5,12 @@ A lone row on one run of blocks can be read as one slice of the pool by MLX's fu
 eagerly; the paged step replays a traced graph (engine.compiled_decode). On the H200 the
 slice spends about 1 ms less on the device and about 1 ms more on the host per step, so which
 one is faster depends on the host: in the server at C=1 the slice won by 13 % on one lent
-machine and lost by 6 % on another (docs/throughput.md, session 12). Rather than guess,
+machine and lost by 6 % on another (docs/throughput.md). Rather than guess,
 the engine times both on the first lone rows it serves and keeps the faster.
 
 A first answer does not stay true. On one H200 host the slice won its trial (5.5 against
 5.8 ms) and then slowed, request after request, to 10.7 ms a step while the graph would have
-held 5.8 (docs/throughput.md, session 14). So the chosen path stays watched: each window of
+held 5.8 (docs/throughput.md). So the chosen path stays watched: each window of
 `WATCH_STEPS` samples is compared with the other path's trial, and a window slower than that
 by `RETRY_MARGIN` times both paths again.
 
@@ -19,7 +19,7 @@ graph, graph, slice (and again): a host whose speed drifts while the trial runs 
 on both paths alike. A trial that timed the slice's 24 steps first and the graph's next
 confounded the path with the moment. On one H200 host it kept the graph (5.47 against
 5.78 ms), and then the graph stepped in 5.6-6.0 ms. Forced, the same host's slice stepped
-in 5.3-5.4 ms in three windows of four (docs/throughput.md, session 15).
+in 5.3-5.4 ms in three windows of four (docs/throughput.md).
 
 A sample is the time from one step's start to the next's, between two steps of the same
 path (so a step in flight from the other path is not counted), and for the graph only

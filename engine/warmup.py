@@ -1,6 +1,6 @@
 """Pay the backend's first-use kernel compilation before the first request, not inside it.
 
-Measured on the H200 (docs/throughput.md, sessions 6 and 7, `bench.continuous_prefill`):
+Measured on the H200 (docs/throughput.md):
 in a fresh machine's first process the first prefill call took 19.2 s and a later one
 2.7 s, while every request in flight waited (TTFT p95 23.6 s at C=32); a second process
 on the same machine took 0.34 s for its first call, because the compiled kernels are
@@ -26,7 +26,7 @@ requests through its own path before the server reports ready:
 - the requests leave at different steps, so rows leave while the others' tokens are in
   flight, and the pending step is compacted with a gather. MLX compiled that gather
   (`gather_uint32_int32_1`) at the first real leave, 3.6 s inside a prefill call on a
-  fresh H200: the one kernel written to MLX's cache after session 6's warm-up;
+  fresh H200: the one kernel the warm-up's other requests left for MLX to compile;
 - one request asks for logprobs, so the sampler's logprob path and its compaction are
   warmed too.
 

@@ -19,7 +19,7 @@ These are deliberately *upper bounds* that follow how mlx-lm actually computes:
 - **The mask of a batched call** whose rows differ in start or length: an additive mask
   B × C × (T+C) in the activation dtype, built from a boolean one of the same shape, both
   live while the call is planned. It is passed as a broadcast view; a boolean mask would
-  be materialised across every query head in every layer on CUDA (``bench.prefill_mask``).
+  be materialised across every query head in every layer on CUDA (``engine.kv.masks``).
 - **Logits.** mlx-lm's prefill evaluates only the cache for all chunks but the last, and the
   final step computes logits for one token per sequence: B × vocab × 4 bytes.
 

@@ -6,9 +6,9 @@ shared pointers, CUDA graph nodes) and frees them a step later; glibc's malloc p
 that in consolidation, in whichever call next asks for a larger block. With jemalloc
 preloaded, the engine thread's CPU per decode step fell by about 36 % on the CPU backend
 (a 32-layer model at batch 1: 15.1–16.0 against 9.4–10.8 ms, and 13 % more tokens per
-second through the server; docs/throughput.md, session 14). On the H200 it cut the
+second through the server; docs/throughput.md). On the H200 it cut the
 engine's batch-1 step from 6.23 to 5.28 ms, with 25 % less time inside `mx.async_eval`
-(medians of five fresh processes each; session 15).
+(medians of five fresh processes each).
 
 The allocator cannot change inside a running process, so `serve` re-executes itself once,
 the same process id and arguments, with the library in `LD_PRELOAD`. `--malloc system`

@@ -23,10 +23,10 @@ def backend_defaults() -> BackendDefaults:
     """Engine defaults per MLX backend. Apple Silicon shares its memory with the whole
     machine, so a chunk's activations stay small (512 tokens, as before). On CUDA the H200
     ran 1k-token prompts at C=32 at 864 tok/s with 512 against 1,640-1,880 with 2048
-    (docs/throughput.md, session 4), and a card's memory is the server's alone; the guard
+    (docs/throughput.md), and a card's memory is the server's alone; the guard
     still checks every chunk, so the larger chunk and cap are admitted only where they fit.
 
-    The step budget on CUDA is four chunks: in two runs each on the H200 (session 10), 8,192
+    The step budget on CUDA is four chunks: in two runs each on the H200, 8,192
     tokens per step raised C=64 by 15 % (3,006-3,226 tok/s against 2,491-2,888 with one
     chunk) and left C=32 within the one-chunk runs' spread. On the CPU four chunks did
     not help (docs/throughput.md)."""

@@ -6,7 +6,7 @@ that hit it; it returns to the free list when its last holder lets go (vLLM's ru
 
 Why runs. A lone decoding row whose blocks are consecutive is attended as one slice of the
 pool, by MLX's fused SDPA (engine.kv.attention.run_decode); on one H200 machine that took
-C=1 serving from about 160 to 181 tok/s (docs/throughput.md, session 12; on a slower host
+C=1 serving from about 160 to 181 tok/s (docs/throughput.md; on a slower host
 it lost, hence engine.slice_choice). A free list handed out in release order gave a
 request after any concurrent load pieces of several earlier requests' runs, so the slice
 never fired in a server that had been busy. So `allocate` takes the lowest run of free

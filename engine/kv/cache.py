@@ -133,7 +133,7 @@ class DecodeTables:
     the same. A reservation's blocks are fixed when it is made (`KVStore.reserve`), so
     between steps only each row's length, and so its write slot, moves: rebuilding the
     tables every step cost the host ~0.1 ms per 32 rows on the CPU, and 2.7 % of the
-    engine thread's samples at C=32 on the H200 (docs/throughput.md, session 7).
+    engine thread's samples at C=32 on the H200 (docs/throughput.md).
 
     It holds the reservations only weakly and no segment at all: a released request's
     segment must go back to the device, not stay alive in a cache.

@@ -180,8 +180,7 @@ _F32X3 = [mx.float32, mx.float32, mx.float32]
 
 def build_kernel(name: str = "headroom_paged_decode", source: str = _SOURCE) -> Any:
     """The paged kernel from `source`, with the inputs and outputs `paged_decode` passes
-    (`bench.kernel_sweep` builds its variants here, each under its own name: MLX caches a
-    compiled kernel by name)."""
+    (a variant of the source needs its own name: MLX caches a compiled kernel by name)."""
     return mx.fast.cuda_kernel(
         name=name,
         input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale", "part"],
@@ -200,7 +199,7 @@ def _get_kernel() -> Any:
 
 def build_merge_kernel(name: str = "headroom_paged_decode_merge", source: str = _MERGE_SOURCE) -> Any:
     """A partitions' merge from `source`, with the inputs and output `merge_partitions`
-    passes (`bench.kernel_merge` builds its variant here)."""
+    passes (a variant needs its own name, as for `build_kernel`)."""
     return mx.fast.cuda_kernel(
         name=name,
         input_names=["part_out", "m", "l"],

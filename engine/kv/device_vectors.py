@@ -6,9 +6,9 @@ that the GPU reads across the bus (`scalar_pool_` in mlx/backend/cuda/allocator.
 memory advised `AccessedBy` the GPU, or pinned host memory where managed memory is limited).
 At batch 1 a decode step's write slots, lengths and positions are one int32 each, and the
 paged kernel's scale and partition size are one number each: every block of every kernel
-that reads one waits on a host round trip. On the H200 (session 17, ncu, batch 1, 1,100
-tokens) the engine's paged kernel took 54.3 us per launch reading 4-byte buffers and 7.5 us
-reading these (docs/throughput.md, "sessions 16 and 17").
+that reads one waits on a host round trip. On the H200 (ncu, batch 1, 1,100 tokens) the
+engine's paged kernel took 54.3 us per launch reading 4-byte buffers and 7.5 us reading
+these (docs/throughput.md).
 
 A vector here is padded on the host to `MIN_BYTES` and sliced back to its length: the slice
 is a view, so the kernels see the values they always saw, in a buffer the allocator gives

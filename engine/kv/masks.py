@@ -12,9 +12,8 @@ def additive_mask(allowed: mx.array, dtype: mx.Dtype) -> mx.array:
     backend takes none (CUDA), it turns into an additive one with `where`, which
     materialises that broadcast shape in every layer: for three prefill rows of 2,048
     tokens over 34,816 one call peaked 27.4 GB over its inputs on the H200, and under 40
-    long prompts that ran the device out of memory (`bench.prefill_mask`,
-    docs/throughput.md, session 13). An additive mask of the queries' dtype goes through
-    as a broadcast view: B × T × L elements, built once per step or call (256 bytes over
-    the inputs in that measurement).
+    long prompts that ran the device out of memory (docs/throughput.md). An additive mask
+    of the queries' dtype goes through as a broadcast view: B × T × L elements, built once
+    per step or call (256 bytes over the inputs in that measurement).
     Callers keep at least one key per query row, so no row is all -inf."""
     return mx.where(allowed, mx.array(0, dtype), mx.array(-float("inf"), dtype))
