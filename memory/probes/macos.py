@@ -8,7 +8,8 @@
   bytes): the kernel writes the whole struct, and a shorter buffer gets overrun.
 - ``sysctl iogpu.wired_limit_mb`` (0 = the default) and MLX's
   ``max_recommended_working_set_size`` give the device cap: the wired limit if set,
-  else the recommended working set.
+  else the recommended working set. The wired limit can be changed while the server runs
+  (``sudo sysctl``), so it is re-read with the VM statistics, at most once per interval.
 - ``sysctl vm.page_free_count`` + ``vm.page_speculative_count`` give free pages fresh on
   every read: ``host_statistics64`` is rate-limited for third-party binaries (see
   :class:`MacOSProbe`) and, on macOS 27, answers -307 once it serves a cached copy (see
@@ -307,7 +308,8 @@ class MacOSProbe:
     old (``rate_limit_host_statistics`` in XNU's ``osfmk/kern/host.c``). Asking more
     often only returns stale counts, so the probe samples them at most once per
     ``vm_interval_s`` and pairs each sample with the footprint read at that moment. Free
-    pages, which our own allocations consume, come fresh from sysctl on every read; when
+    pages, which our own allocations consume, come fresh from sysctl on every read; the GPU
+    wired limit is re-read with each VM sample (a change shows within ``vm_interval_s``); when
     sysctl lacks them, the sample's free count is moved by how much our footprint has
     grown since, so memory we allocated is not counted both as ours and as free.
 
@@ -336,6 +338,7 @@ class MacOSProbe:
         self._recommended = (recommended_working_set or _recommended_working_set)()
         self._lock = threading.Lock()  # the engine and the HTTP side both read
         self._sample: _VMSample | None = None
+        self._wired_limit = wired_limit_bytes(self._darwin.sysctl_int)
         self._last_attempt = -math.inf
         self.vm_failures = 0  # consecutive failed VM readings (0 = the last one worked)
 
@@ -352,8 +355,7 @@ class MacOSProbe:
             free_bytes = max(sample.vm.free_count * d.page_size - grown, 0)
         else:
             raise ProbeError("no free-memory figure: host_statistics64 and sysctl both failed")
-        # The wired limit can be changed at runtime (sudo sysctl): read it every time.
-        cap = device_cap(wired_limit_bytes(d.sysctl_int), self._recommended)
+        cap = device_cap(self._wired_limit, self._recommended)
         active, cache = self._allocator()
         return snapshot_from_vm_stats(
             sample.vm if sample is not None else VMStatistics64(),  # none: inactive = active = 0
@@ -373,6 +375,8 @@ class MacOSProbe:
         with self._lock:
             if now - self._last_attempt >= self._vm_interval_s:
                 self._last_attempt = now
+                # changed at runtime with `sudo sysctl iogpu.wired_limit_mb=...`
+                self._wired_limit = wired_limit_bytes(self._darwin.sysctl_int)
                 try:
                     vm = self._darwin.vm_stats()
                 except ProbeError as exc:

@@ -206,3 +206,22 @@ def test_no_free_figure_at_all_is_a_probe_error() -> None:
     fake = FakeDarwin(fail_rusage=True)
     with pytest.raises(ProbeError):
         probe(fake).read()
+
+
+def test_the_ceiling_follows_a_wired_limit_changed_at_runtime() -> None:
+    # `sudo sysctl iogpu.wired_limit_mb=...` while the server runs: the device cap follows
+    # with the next VM sample (at most once per interval), not on every read.
+    fake = FakeDarwin(wired_limit_mb=24576)
+    clock = Clock()
+    p = probe(fake, clock)
+    assert p.read().device_cap_bytes == 24 * GiB
+    fake.wired_limit_mb = 40960
+    clock.now += 0.5
+    assert p.read().device_cap_bytes == 24 * GiB  # inside the interval: the last reading
+    clock.now += 0.5
+    snap = p.read()
+    assert snap.device_cap_bytes == 40 * GiB
+    assert compute_ceiling(snap, Tier.AGGRESSIVE).components["device"] == 40 * GiB
+    fake.wired_limit_mb = 0  # back to the default: the recommended working set (none here)
+    clock.now += 1.0
+    assert p.read().device_cap_bytes is None
