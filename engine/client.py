@@ -17,10 +17,12 @@ from typing import Any
 import mlx.core as mx
 
 from engine.core import EngineConfig, EngineCore, EngineStats
+from engine.device_report import device_report
 from engine.errors import EngineDeadError, QueueFullError
 from engine.loader import LoadedModel, on_cuda_by_default
 from engine.request import EngineRequest, RequestOutput
 from engine.warmup import warm_up
+from engine.wired import WIRED, WiredWeights
 from memory import MemoryGuard
 
 log = logging.getLogger("mlx_headroom.engine")
@@ -73,8 +75,10 @@ class EngineClient:
         on_death: Callable[[BaseException], None] | None = None,
         make_core: Callable[[LoadedModel, MemoryGuard, EngineConfig, Callable[[list[RequestOutput]], None]],
                             EngineCore] = EngineCore,
+        wired: WiredWeights = WIRED,
     ) -> None:
         self._load = load
+        self._wired = wired
         self._make_core = make_core
         self._on_death = on_death
         self.guard = guard
@@ -108,7 +112,10 @@ class EngineClient:
         def main() -> None:
             assert self._loop is not None
             try:
+                report = device_report()
+                log.info("MLX: %s", report.describe(), extra={"device": report.__dict__})
                 self.loaded = self._load()
+                self._wire(self.loaded)
                 self.core = self._make_core(self.loaded, self.guard, self.config, self._publish)
                 warm = on_cuda_by_default(self.config.warm_up, self.loaded.backend)
                 if warm and self.core.lockstep is None:
@@ -134,6 +141,19 @@ class EngineClient:
         self._thread.start()
         await ready
 
+    def _wire(self, loaded: LoadedModel) -> None:
+        """Keep the weights resident (Metal) when the guard has room for them (engine.wired)."""
+        try:
+            ceiling = self.guard.ceiling().hard_bytes if self.guard.state().enabled else None
+        except Exception as exc:  # no reading, no promise of room: wire nothing
+            log.warning("not wiring %s's weights: the memory probe failed (%s)", loaded.model_id, exc)
+            return
+        self._wired.hold(self._wired_key, loaded.weight_bytes, ceiling=ceiling)
+
+    @property
+    def _wired_key(self) -> str:
+        return f"{id(self):x}"
+
     def _release_mlx(self) -> None:
         """On the engine thread, after its loop: free the model, the caches and the batch
         here, collect what referenced them, wait for the device, then drop this thread's
@@ -152,6 +172,7 @@ class EngineClient:
             self.loaded = None
             gc.collect()
             mx.synchronize()
+            self._wired.release(self._wired_key)  # after the device is idle, as MLX asks
             mx.clear_cache()
             mx.clear_streams()
         except BaseException:
