@@ -1,6 +1,8 @@
 """`mlx-headroom doctor`: what this machine is, what the guard reads, and what fits.
 
-It prints the backend and device, every probe's reading, the ceiling's components and
+It prints the backend and device (and whether Metal is usable: available, and a small
+computation on the GPU returns; run it as the service's user, in the service's context, to
+learn what the service gets), every probe's reading, the ceiling's components and
 which binds (on a Mac, ``iogpu.wired_limit_mb`` beside MLX's recommended working set and
 the ``sysctl`` to raise it when it binds), and, for ``--model``, what fits, computed from
 its config and weight headers without loading it. The numbers come from the same
@@ -74,9 +76,13 @@ def _backend() -> dict[str, Any]:
     import mlx.core as mx
 
     from engine import backend_name
+    from engine.device_report import device_report
 
     info = {str(k): v for k, v in dict(mx.device_info()).items()}
-    return {"name": backend_name(), "device": str(mx.default_device()), "device_info": info}
+    report = device_report()
+    return {"name": backend_name(), "device": str(mx.default_device()), "device_info": info,
+            "metal_available": report.metal_available, "metal_usable": report.metal_usable,
+            "metal_problem": report.problem, "summary": report.describe()}
 
 
 def _sysctl_int(name: str) -> int | None:
@@ -105,8 +111,11 @@ def macos_view(ceiling: Ceiling, wired_limit_mb: int | None, recommended: int | 
 def collect(settings: Settings, *, model: str | None, max_tokens: int | None) -> dict[str, Any]:
     """Everything doctor reports, as one JSON-able dict (``ok`` and ``problems`` included)."""
     problems: list[str] = []
+    backend = _backend()
+    if backend["metal_available"] and not backend["metal_usable"]:
+        problems.append(f"Metal is available but not usable: {backend['metal_problem']}")
     report: dict[str, Any] = {
-        "backend": _backend(),
+        "backend": backend,
         "settings": {k: getattr(settings, k) for k in (
             "memory_probe", "memory_tier", "memory_ceiling_bytes", "reserve_context_tokens",
             "prefill_step_size", "max_step_tokens", "min_prefill_chunk", "default_max_tokens",
@@ -178,6 +187,8 @@ def render(report: dict[str, Any]) -> str:
     """The report for a terminal."""
     b = report["backend"]
     lines = [f"backend   {b['name']} ({b['device']})"]
+    if "summary" in b:
+        lines.append(f"          {b['summary']}")
     for key in ("device_name", "architecture", "memory_size", "total_memory"):
         if key in b["device_info"]:
             value = b["device_info"][key]

@@ -49,3 +49,19 @@ def test_no_sysctl_when_the_wired_limit_does_not_bind() -> None:
     assert not mac["wired_limit_binds"] and mac["sysctl"] is None
     text = render(mac_report(mac, c))
     assert "iogpu.wired_limit_mb 61440;" in text and "sudo sysctl" not in text
+
+
+def test_doctor_says_whether_metal_is_usable(monkeypatch) -> None:
+    import engine.device_report as device_report
+    from server.doctor import collect
+    from server.settings import Settings
+
+    failing = device_report.DeviceReport("metal", "Device(gpu, 0)", True, False,
+                                         "RuntimeError: [METAL] Command buffer execution failed")
+    monkeypatch.setattr(device_report, "device_report", lambda: failing)
+    report = collect(Settings(memory_probe="allocator"), model=None, max_tokens=None)
+    assert report["backend"]["metal_available"] and not report["backend"]["metal_usable"]
+    assert not report["ok"]
+    assert any("Metal is available but not usable" in p for p in report["problems"])
+    text = render(report)
+    assert "Metal available but not usable (RuntimeError: [METAL]" in text.splitlines()[1]
