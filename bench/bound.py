@@ -12,11 +12,12 @@ No server, no engine, no KV store: mlx-lm's model with its own contiguous `KVCac
 - **Decode step**: one token per row at batch C, the context at P + T/2 (the middle of
   the decode), unmasked (equal lengths, a batched `KVCache`), argmax sampling, pipelined
   with `mx.async_eval` as mlx-lm does. Median of the timed steps.
-- **Bound** for C concurrent requests (issue 17): C·P tokens at the best prefill rate, plus
+- **Bound** for C concurrent requests: C·P tokens at the best prefill rate, plus
   T decode steps at batch C; a point of R requests runs ceil(R / C) such waves. Output
   tokens over that time is the bound in tokens/s.
 
-Prints one JSON object (bench/run.py stores it beside the throughput points).
+Prints one JSON object (bench/run.py stores it beside the throughput points; the summary's
+`bare` rows are these bounds).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import json
 import math
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -124,8 +126,14 @@ def main() -> None:
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--prefill-chunk", type=int, default=2048)
     p.add_argument("--decode-steps", type=int, default=40)
+    p.add_argument("--model-dir", help="load this mlx-lm model directory (e.g. a quantized one) instead")
     args = p.parse_args()
-    model = build_dummy_model(dummy_config(args.model, args.dtype))
+    if args.model_dir:
+        from mlx_lm.utils import load_model
+
+        model, _ = load_model(Path(args.model_dir))
+    else:
+        model = build_dummy_model(dummy_config(args.model, args.dtype))
     mx.eval(model.parameters())
     out = measure(model, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                   concurrency=[int(c) for c in args.concurrency.split(",")],

@@ -46,8 +46,7 @@ from typing import Any
 import httpx
 
 from bench.loadgen import Workload, run_load
-from bench.periodic import Periodic
-from bench.servers import ROOT, Server, _nvidia_smi_used, stop_all
+from bench.servers import ROOT, Periodic, Server, _nvidia_smi_used, stop_all
 
 API_KEY = "bench-key"
 NAME = "bench"

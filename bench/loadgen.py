@@ -182,6 +182,7 @@ class LoadReport:
         latency = [r.latency_s for r in ok if r.latency_s is not None]
         tpot = [t for r in ok if (t := r.tpot_s) is not None]
         steady, steady_window_s = steady_gaps(self.results, self.workload["concurrency"])
+        itl = [b - a for r in ok for a, b in itertools.pairwise(r.chunk_times)]  # inter-token latency
         ms = 1000.0
 
         def pct(values: list[float], q: float) -> float | None:
@@ -207,6 +208,9 @@ class LoadReport:
             "steady_tpot_ms_p50": pct(steady, 50),
             "steady_tpot_ms_p95": pct(steady, 95),
             "steady_window_s": round(steady_window_s, 3),
+            "itl_ms_p50": pct(itl, 50),
+            "itl_ms_p99": pct(itl, 99),
+            "itl_ms_max": round(max(itl) * ms, 2) if itl else None,
             "latency_ms_p50": pct(latency, 50),
             "latency_ms_p95": pct(latency, 95),
         }

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -51,6 +52,15 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def machine_slug(machine: dict[str, Any]) -> str:
+    """A short name for the machine in a results folder's name: `h200`, `cpu`, `apple-m2-max`."""
+    if machine.get("backend") == "cpu":
+        return "cpu"
+    name = str((machine.get("device_info") or {}).get("device_name") or machine.get("backend") or "device")
+    name = re.sub(r"^(nvidia|apple)\s+", "", name.strip(), flags=re.IGNORECASE)
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
 
 
 def machine_info() -> dict[str, Any]:

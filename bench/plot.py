@@ -1,4 +1,4 @@
-"""A results JSON as one PNG: `python -m bench.plot bench/results/X.json [-o docs/X.png]`.
+"""A run as one PNG: `python -m bench plot bench/results/<folder> [-o docs/X.png]`.
 
 Panels: output tokens/s and TTFT p50 against concurrency (both servers), guard on/off,
 prefix cache cold vs hit TTFT, and the memory-pressure outcomes. Needs matplotlib (the
@@ -73,7 +73,7 @@ def plot(data: dict[str, Any], out: Path) -> Path:
     else:
         ax_prefix.set_title("prefix cache: not run")
 
-    pressure = {s: v for s, v in (sc.get("pressure") or {}).items()
+    pressure = {s: v for s, v in (sc.get("overload") or sc.get("pressure") or {}).items()
                 if isinstance(v, dict) and "error" not in v}
     if pressure:
         names = list(pressure)
@@ -91,10 +91,10 @@ def plot(data: dict[str, Any], out: Path) -> Path:
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
         first = next(iter(pressure.values()))
         ax_pressure.set_title(
-            f"memory pressure: {first['requests']} × {first['prompt_tokens']}-token prompts")
+            f"overload: {first['requests']} × {first['prompt_tokens']}-token prompts")
         ax_pressure.legend()
     else:
-        ax_pressure.set_title("memory pressure: not run")
+        ax_pressure.set_title("overload: not run")
 
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -106,12 +106,13 @@ def plot(data: dict[str, Any], out: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(description="plot a bench results JSON")
-    parser.add_argument("results", type=Path)
-    parser.add_argument("-o", "--out", type=Path, help="default: docs/bench-<run>.png")
+    parser = argparse.ArgumentParser(prog="python -m bench plot", description="plot a run")
+    parser.add_argument("results", type=Path, help="a results folder (its run.json) or a results JSON")
+    parser.add_argument("-o", "--out", type=Path, help="default: plot.png in the results folder")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    data = json.loads(args.results.read_text())
-    print(plot(data, args.out or ROOT / "docs" / f"bench-{data.get('mode', 'run')}.png"))
+    path = args.results / "run.json" if args.results.is_dir() else args.results
+    data = json.loads(path.read_text())
+    print(plot(data, args.out or path.parent / "plot.png"))
     return 0
 
 

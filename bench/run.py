@@ -1,16 +1,16 @@
-"""The benchmark harness: our server and mlx_lm.server on the same dummy model, in one run.
+"""The benchmark harness: our server, mlx_lm.server and the bare mlx-lm model on the same model.
 
-    python -m bench.run --mode cpu-quick                 # tiny float32 model, ~3 minutes here
-    python -m bench.run --mode gpu --out-dir $OUT        # llama3-8b bf16 on the H200
-    python -m bench.run --mode gpu --scenarios throughput,guard --servers ours
+    python -m bench throughput prefix --mode cpu            # tiny float32 model, minutes here
+    python -m bench throughput --mode gpu                   # llama3-8b shape, bf16, on the H200
 
 Ours runs `--load-format dummy`; mlx_lm.server loads the same weights from a directory that
-`engine.dummy_model.save_dummy_model` writes (cached between runs). Scenarios (`--scenarios`):
-throughput (both), guard (ours: guard on vs off), prefix (both: cached long system prompt vs
-cold), pressure (both: N concurrent long prompts whose KV exceeds memory; for ours on a CPU the
-small machine is simulated with `--memory-probe allocator --memory-tier custom
---memory-ceiling-bytes N`). The results JSON (`bench/results/<mode>-<time>.json`, or under
-`--out-dir`) is rewritten as each scenario finishes, so a run cut short keeps what it measured.
+`engine.dummy_model.save_dummy_model` writes (cached between runs); the `quantized` scenario
+quantizes that directory with mlx-lm and serves it to both. The bare model's bound
+(`bench/bound.py`) runs in a child process before the servers start. Each run writes one
+folder, `bench/results/<date>-<machine>-<name>/` (or under `--out-dir`): `run.json` (everything
+measured, with the machine, versions and settings) and `summary.json` (one row per measured
+point, `bench/summary.py`), both rewritten as each scenario finishes, so a run cut short keeps
+what it measured; the servers' logs go to `logs/`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -30,16 +31,18 @@ from typing import Any
 
 import httpx
 
-from bench import scenarios
-from bench.scenarios import Sizes
+from bench import scenarios, summary
+from bench.machine import machine_slug
+from bench.scenarios import SCENARIOS, Sizes
 from bench.servers import ROOT, Server, stop_all
 from server.malloc import early_choice, reexec_env
 
-SCENARIOS = ("throughput", "guard", "prefix", "pressure")
 SERVERS = ("ours", "mlx_lm")
 API_KEY = "bench-key"
 OURS_NAME = "bench"  # --served-model-name
 MLX_LM_NAME = "default_model"  # mlx_lm.server's name for its --model
+RESULTS = ROOT / "bench" / "results"
+WORK = Path("/tmp/mlx-headroom-bench")  # model directories for mlx_lm.server, the tokenizer cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +51,12 @@ class Mode:
     dtype: str
     sizes: Sizes
     bandwidth_bytes: int
-    pressure_fit: int | None  # simulate a machine where this many pressure prompts fit (ours)
+    pressure_fit: int | None  # simulate a machine where this many overload prompts fit (ours)
     startup_timeout_s: float
 
 
 MODES: dict[str, Mode] = {
-    "cpu-quick": Mode(
+    "cpu": Mode(
         model="tiny", dtype="float32", bandwidth_bytes=256 << 20, pressure_fit=3, startup_timeout_s=120,
         sizes=Sizes(concurrency=(1, 8, 32), prompt_tokens=128, max_tokens=32, guard_concurrency=8,
                     guard_rounds=2, guard_waves=3,
@@ -64,10 +67,13 @@ MODES: dict[str, Mode] = {
     "gpu": Mode(
         model="llama3-8b", dtype="bfloat16", bandwidth_bytes=4 << 30, pressure_fit=None,
         startup_timeout_s=420,
-        sizes=Sizes(concurrency=(1, 8, 32), prompt_tokens=1000, max_tokens=256, guard_concurrency=32,
+        sizes=Sizes(concurrency=(1, 32, 64), prompt_tokens=1000, max_tokens=256, guard_concurrency=32,
                     prefix_tokens=8000, prefix_suffix_tokens=64, pressure_requests=40,
                     pressure_prompt_tokens=32768, pressure_max_tokens=16, pressure_timeout_s=900,
-                    pressure_deadline_s=240, request_timeout_s=600),
+                    pressure_deadline_s=240, request_timeout_s=600,
+                    prefill_lengths=(1000, 4000, 16000, 32000), interference_concurrency=31,
+                    interference_max_tokens=512, interference_long_tokens=32768,
+                    interference_delay_s=2.0),
     ),
 }
 
@@ -81,7 +87,7 @@ def openblas_preload() -> str | None:
 
 
 def simulated_ceiling(info: dict[str, Any], sizes: Sizes, fit: int) -> int:
-    """A memory ceiling under which about `fit` pressure prompts fit at once: the weights, the
+    """A memory ceiling under which about `fit` overload prompts fit at once: the weights, the
     allocator's cache, one prefill chunk's transients, and `fit` decode reservations."""
     from memory.estimate import estimate_decode_reservation, estimate_prefill, geometry_from_config
 
@@ -95,12 +101,25 @@ def simulated_ceiling(info: dict[str, Any], sizes: Sizes, fit: int) -> int:
     return int(info["model"]["weight_bytes"]) + (32 << 20) + transient + fit * reservation
 
 
+def result_dir(root: Path, machine: dict[str, Any], name: str, date: str | None = None) -> Path:
+    """`<root>/<date>-<machine>-<name>`, with `-2`, `-3` ... when one already exists."""
+    base = root / f"{date or time.strftime('%Y-%m-%d')}-{machine_slug(machine)}-{name}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+def _child_json(args: list[str], env: dict[str, str], timeout_s: float) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env={**os.environ, **env},
+                         capture_output=True, text=True, check=True, timeout=timeout_s)
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
 def _machine(model: str, dtype: str, bandwidth_bytes: int, env: dict[str, str]) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "bench.machine", "--model", model, "--dtype", dtype,
-           "--bandwidth-bytes", str(bandwidth_bytes)]
-    out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True,
-                         check=True, timeout=600)
-    return dict(json.loads(out.stdout))
+    return _child_json(["bench.machine", "--model", model, "--dtype", dtype,
+                        "--bandwidth-bytes", str(bandwidth_bytes)], env, 600)
 
 
 def bound_allocator(env: dict[str, str], ours_args: list[str], ours_env: dict[str, str],
@@ -108,8 +127,8 @@ def bound_allocator(env: dict[str, str], ours_args: list[str], ours_env: dict[st
     """The bound's environment, on the allocator our server will run on, and that allocator's
     name. The bare step is host-paced, and the allocator moves it: on one H200 it read 4.17
     and 6.34 ms six minutes apart on glibc, and 4.93-4.98 ms in three runs on jemalloc
-    (docs/throughput.md, session 15). So a bound on glibc beside a server on jemalloc (the
-    `serve` default where Linux has it) would flatter us whenever glibc had a slow moment."""
+    (docs/throughput.md). So a bound on glibc beside a server on jemalloc (the `serve` default
+    where Linux has it) would flatter us whenever glibc had a slow moment."""
     server_env = {**os.environ, **env, **ours_env}
     if "libjemalloc" in server_env.get("LD_PRELOAD", ""):
         return {**env, "LD_PRELOAD": server_env["LD_PRELOAD"]}, "jemalloc"
@@ -119,38 +138,50 @@ def bound_allocator(env: dict[str, str], ours_args: list[str], ours_env: dict[st
     return {**env, "LD_PRELOAD": chosen["LD_PRELOAD"]}, "jemalloc"
 
 
-def _bound(model: str, dtype: str, sizes: Sizes, env: dict[str, str]) -> dict[str, Any]:
+def _bound(model: str, dtype: str, sizes: Sizes, env: dict[str, str], model_dir: Path | None = None
+           ) -> dict[str, Any]:
     """The bare model's prefill rate and decode steps (bench/bound.py), in a child process
     so that its device memory is gone before the servers start."""
-    cmd = [sys.executable, "-m", "bench.bound", "--model", model, "--dtype", dtype,
-           "--prompt-tokens", str(sizes.prompt_tokens), "--max-tokens", str(sizes.max_tokens),
-           "--concurrency", ",".join(str(c) for c in sizes.concurrency)]
-    out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True,
-                         check=True, timeout=900)
-    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    args = ["bench.bound", "--model", model, "--dtype", dtype, "--prompt-tokens", str(sizes.prompt_tokens),
+            "--max-tokens", str(sizes.max_tokens),
+            "--concurrency", ",".join(str(c) for c in sizes.concurrency)]
+    if model_dir is not None:
+        args += ["--model-dir", str(model_dir)]
+    return _child_json(args, env, 900)
 
 
-def _save_model_dir(model: str, dtype: str, out: Path, env: dict[str, str]) -> float:
-    """Write the dummy model for mlx_lm.server in a child process (no device memory kept here)."""
+def _save_model_dir(model: str, dtype: str, out: Path, env: dict[str, str], bits: int | None = None) -> float:
+    """Write the dummy model for mlx_lm.server in a child process (no device memory kept here),
+    quantized by mlx-lm to `bits` when given (into `out` itself, from `<out>-full`)."""
     started = time.monotonic()
-    subprocess.run([sys.executable, "-m", "engine.dummy_model", str(out), "--model", model, "--dtype", dtype],
-                   cwd=ROOT, env={**os.environ, **env}, check=True, timeout=900)
+    full = out.with_name(out.name + "-full") if bits else out
+    subprocess.run([sys.executable, "-m", "engine.dummy_model", str(full), "--model", model,
+                    "--dtype", dtype], cwd=ROOT, env={**os.environ, **env}, check=True, timeout=900)
+    if bits and not (out / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(full), "--mlx-path",
+                        str(out), "-q", "--q-bits", str(bits)], cwd=ROOT, env={**os.environ, **env},
+                       check=True, timeout=900, capture_output=True)
     return time.monotonic() - started
 
 
 class Run:
-    """One results file, rewritten after every scenario."""
+    """One results folder: run.json and summary.json, rewritten after every scenario."""
 
-    def __init__(self, path: Path, header: dict[str, Any]) -> None:
-        self.path = path
+    def __init__(self, folder: Path, header: dict[str, Any]) -> None:
+        self.folder = folder
         self.data: dict[str, Any] = {**header, "scenarios": {}, "errors": []}
         self.save()
 
+    @property
+    def path(self) -> Path:
+        return self.folder / "run.json"
+
     def save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, default=str))
-        tmp.replace(self.path)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for name, value in (("run.json", self.data), ("summary.json", summary.from_run(self.data))):
+            tmp = self.folder / f"{name}.tmp"
+            tmp.write_text(json.dumps(value, indent=1, default=str))
+            tmp.replace(self.folder / name)
 
     def record(self, scenario: str, server: str, value: Any) -> None:
         self.data["scenarios"].setdefault(scenario, {})[server] = value
@@ -173,7 +204,10 @@ class Run:
 
 
 def derived(data: dict[str, Any]) -> dict[str, Any]:
-    """Headline numbers: C=1 against the bandwidth bound, the guard's cost, prefix hit ratio."""
+    """Headline numbers (C=1 against the bandwidth bound, the guard's cost, the prefix hit
+    ratio), and each throughput point's bound and fraction of it."""
+    from bench.bound import bound
+
     out: dict[str, Any] = {}
     bandwidth = (data.get("bandwidth") or {}).get("bytes_per_s")
     weight_bytes = (data.get("model") or {}).get("weight_bytes")
@@ -182,20 +216,20 @@ def derived(data: dict[str, Any]) -> dict[str, Any]:
             continue
         c1 = next((p for p in points if p["concurrency"] == 1), None)
         if c1 and bandwidth and weight_bytes and c1.get("tpot_ms_p50"):
-            bound = bandwidth / weight_bytes
+            limit = bandwidth / weight_bytes
             out[f"{server}_c1_tok_s_per_stream"] = round(1000 / c1["tpot_ms_p50"], 2)
-            out[f"{server}_c1_bandwidth_fraction"] = round(1000 / c1["tpot_ms_p50"] / bound, 4)
-            out["bandwidth_bound_tok_s"] = round(bound, 2)
-    b = data.get("bound")
-    if b:
-        from bench.bound import bound
-
-        for points in (data["scenarios"].get("throughput") or {}).values():
+            out[f"{server}_c1_bandwidth_fraction"] = round(1000 / c1["tpot_ms_p50"] / limit, 4)
+            out["bandwidth_bound_tok_s"] = round(limit, 2)
+    for scenario, key in (("throughput", "bound"), ("quantized", "bound_quantized")):
+        b = data.get(key)
+        if not b:
+            continue
+        for points in (data["scenarios"].get(scenario) or {}).values():
             if not isinstance(points, list):
                 continue
             for p in points:
-                key = str(p.get("concurrency"))
-                if key in b.get("decode_step_ms", {}) and p.get("output_tok_s") is not None:
+                measured = p.get("output_tok_s") is not None
+                if measured and str(p.get("concurrency")) in b.get("decode_step_ms", {}):
                     p.update(bound(b, p["concurrency"], p["requests"]))
                     p["fraction_of_bound"] = round(p["output_tok_s"] / p["bound_tok_s"], 4)
     guard = (data["scenarios"].get("guard") or {}).get("ours") or {}
@@ -207,37 +241,52 @@ def derived(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--mode", choices=sorted(MODES), default="cpu-quick")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated: {SCENARIOS}")
-    p.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated: {SERVERS}")
+def parser() -> argparse.ArgumentParser:
+    listing = "\n".join(f"  {s.name:<13} {s.help} [{', '.join(s.servers)}]" for s in SCENARIOS.values())
+    p = argparse.ArgumentParser(
+        prog="python -m bench", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Benchmark mlx-headroom beside mlx_lm.server and the bare mlx-lm model.",
+        epilog=f"scenarios:\n{listing}\n\n"
+               "tools (each takes its own --help):\n"
+               "  python -m bench table  RESULT_DIR     the results as a markdown table\n"
+               "  python -m bench plot   RESULT_DIR     the results as one PNG (the bench extra)\n"
+               "  python -m bench summary RESULT_DIR    per-point detail for a terminal\n"
+               "  python -m bench convert FILE --out DIR   an older results JSON to summary.json\n"
+               "  python -m bench merge OUT_DIR DIR...  the rows of several runs in one summary.json\n"
+               "  python -m bench.soak                  minutes of mixed traffic, then leak checks\n"
+               "  python -m bench.device_agreement      our memory figure against the driver's\n\n"
+               "Results: bench/results/<date>-<machine>-<name>/ with run.json and summary.json "
+               "(docs/benchmarks.md).")
+    p.add_argument("scenarios", nargs="+", metavar="SCENARIO", help=f"one or more of: {', '.join(SCENARIOS)}")
+    p.add_argument("--mode", choices=sorted(MODES), default="cpu",
+                   help="cpu: the tiny float32 model and small sizes; gpu: llama3-8b bf16 (default: cpu)")
+    p.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated: {', '.join(SERVERS)}")
     p.add_argument("--model", help="dummy preset or config.json (default: the mode's)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
-    p.add_argument("--tag", help="added to the results file name")
+    p.add_argument("--out-dir", type=Path, default=RESULTS, help="where the results folder goes")
+    p.add_argument("--name", help="the results folder's last part (default: the scenarios' names)")
     p.add_argument("--model-dir", type=Path, help="where mlx_lm.server's model is written "
-                   "(default: /tmp/mlx-headroom-bench/<model>-<dtype>)")
+                   f"(default: {WORK}/<model>-<dtype>)")
     p.add_argument("--pressure-ceiling-bytes", type=int,
-                   help="simulate a machine of this size for ours in the pressure scenario "
-                   "(cpu-quick default: computed so that about 3 prompts fit; 0: real memory)")
+                   help="simulate a machine of this size for ours in the overload scenario "
+                   "(cpu default: computed so that about 3 prompts fit; 0: real memory)")
     p.add_argument("--bandwidth-bytes", type=int, help="array size of the copy-bandwidth test (0: skip)")
     p.add_argument("--no-bound", action="store_true", help="skip the bare model's bound (bench/bound.py)")
     p.add_argument("--ours-arg", action="append", default=[], help="extra flag for our server")
     p.add_argument("--ours-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for our server, e.g. MLX_HEADROOM_MEMORY_WAIT_TIMEOUT_S=5")
-    p.add_argument("--ours-kernel-variant", help="serve ours with this bench.kernel_sweep variant of the "
-                   "paged decode kernel (bench.serve_variant)")
     p.add_argument("--mlx-lm-arg", action="append", default=[], help="extra flag for mlx_lm.server")
+    sizes = p.add_argument_group("sizes", "each overrides the mode's (bench/run.py MODES; the pressure_* "
+                                 "sizes are the overload scenario's)")
     for f in dataclasses.fields(Sizes):
-        kind = float if f.type == "float" else int
-        if f.name == "concurrency":
-            p.add_argument("--concurrency", help="comma-separated, e.g. 1,8,32")
+        flag = "--" + f.name.replace("_", "-")
+        if f.name in ("concurrency", "prefill_lengths"):
+            sizes.add_argument(flag, help="comma-separated, e.g. 1,8,32")
         elif f.name == "stream_modes":
-            p.add_argument("--stream-modes", help="comma-separated: stream, nonstream (throughput)")
+            sizes.add_argument(flag, help="comma-separated: stream, nonstream (throughput)")
         else:
-            p.add_argument("--" + f.name.replace("_", "-"), type=kind)
-    return p.parse_args(argv)
+            sizes.add_argument(flag, type=float if f.type == "float" else int)
+    return p
 
 
 def _sizes(args: argparse.Namespace, mode: Mode) -> Sizes:
@@ -246,7 +295,7 @@ def _sizes(args: argparse.Namespace, mode: Mode) -> Sizes:
         value = getattr(args, f.name)
         if value is None:
             continue
-        if f.name == "concurrency":
+        if f.name in ("concurrency", "prefill_lengths"):
             changes[f.name] = tuple(int(x) for x in value.split(","))
         elif f.name == "stream_modes":
             modes = [x.strip() for x in value.split(",") if x.strip()]
@@ -277,61 +326,84 @@ async def _with_server(
         run.save()
 
 
-async def main_async(args: argparse.Namespace) -> Path:
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+async def main_async(args: argparse.Namespace, argv: list[str]) -> Path:
     mode = MODES[args.mode]
     model, dtype = args.model or mode.model, args.dtype or mode.dtype
     sizes = _sizes(args, mode)
-    selected = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    selected = list(dict.fromkeys(args.scenarios))
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     for name in selected:
         if name not in SCENARIOS:
-            raise SystemExit(f"unknown scenario {name!r}; choose from {SCENARIOS}")
+            raise SystemExit(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
+    for name in servers:
+        if name not in SERVERS:
+            raise SystemExit(f"unknown server {name!r}; choose from {', '.join(SERVERS)}")
     # the dummy model's tokenizer files go to MLX_HEADROOM_CACHE (default ~/.cache/mlx-headroom)
     env: dict[str, str] = {} if os.environ.get("MLX_HEADROOM_CACHE") else {
-        "MLX_HEADROOM_CACHE": "/tmp/mlx-headroom-bench/cache"}
+        "MLX_HEADROOM_CACHE": str(WORK / "cache")}
     preload = openblas_preload()
     if preload and not _has_gpu():
         env["LD_PRELOAD"] = preload
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    name = f"{args.mode}-{stamp}" + (f"-{args.tag}" if args.tag else "")
-    log_dir = args.out_dir / "logs" / name
     bandwidth_bytes = mode.bandwidth_bytes if args.bandwidth_bytes is None else args.bandwidth_bytes
     info = _machine(model, dtype, bandwidth_bytes, env)
+    folder = result_dir(args.out_dir, info["machine"], args.name or "-".join(selected))
     ceiling = args.pressure_ceiling_bytes
     if ceiling is None and mode.pressure_fit is not None:
         ceiling = simulated_ceiling(info, sizes, mode.pressure_fit)
     model_info = {k: v for k, v in info["model"].items() if k != "config"}
-    run = Run(args.out_dir / f"{name}.json", {
-        "run": name, "mode": args.mode, "argv": sys.argv[1:], "started_at": stamp,
+    run = Run(folder, {
+        "run": folder.name, "mode": args.mode, "command": "python -m bench " + shlex.join(argv),
+        "commit": _git_commit(), "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "loadavg_at_start": _loadavg(), "bench_ld_preload": os.environ.get("LD_PRELOAD"),
         "machine": info["machine"], "versions": info["versions"], "model": model_info,
         "model_config": info["model"]["config"], "bandwidth": info.get("bandwidth"),
         "settings": {"sizes": dataclasses.asdict(sizes), "scenarios": selected, "servers": servers,
                      "env": env, "pressure_ceiling_bytes": ceiling or None,
-                     "ours_args": args.ours_arg, "ours_env": args.ours_env,
-                     "ours_kernel_variant": args.ours_kernel_variant,
-                     "mlx_lm_args": args.mlx_lm_arg},
+                     "ours_args": args.ours_arg, "ours_env": args.ours_env, "mlx_lm_args": args.mlx_lm_arg},
     })
-    print(f"[bench] results: {run.path}", file=sys.stderr, flush=True)
-    if "throughput" in selected and not args.no_bound:
-        print("[bench] measuring the bare model's bound ...", file=sys.stderr, flush=True)
+    print(f"[bench] results: {folder}", file=sys.stderr, flush=True)
+    ours_env = {**env, **_env_pairs(args.ours_env)}
+    model_dir = args.model_dir or WORK / f"{Path(model).stem}-{dtype}"
+    quantized_dir = model_dir.with_name(model_dir.name + f"-q{sizes.quantized_bits}")
+    if "quantized" in selected:
+        print(f"[bench] writing the quantized model to {quantized_dir}", file=sys.stderr, flush=True)
         try:
-            bound_env, run.data["bound_malloc"] = bound_allocator(
-                env, args.ours_arg, _env_pairs(args.ours_env))
-            run.data["bound"] = await asyncio.to_thread(_bound, model, dtype, sizes, bound_env)
-        except (subprocess.SubprocessError, ValueError) as exc:
-            run.data["errors"].append(f"bound: {exc}")
+            await asyncio.to_thread(_save_model_dir, model, dtype, quantized_dir, env, sizes.quantized_bits)
+            run.data["quantized"] = {"path": str(quantized_dir), "bits": sizes.quantized_bits}
+        except subprocess.SubprocessError as exc:
+            run.data["errors"].append(f"quantized: writing the model failed: {exc}")
+            selected.remove("quantized")
+    if not args.no_bound and {"throughput", "quantized"} & set(selected):
+        print("[bench] measuring the bare model's bound ...", file=sys.stderr, flush=True)
+        bound_env, run.data["bound_malloc"] = bound_allocator(env, args.ours_arg, _env_pairs(args.ours_env))
+        bounds = (("throughput", "bound", None), ("quantized", "bound_quantized", quantized_dir))
+        for scenario, key, path in bounds:
+            if scenario in selected:
+                try:
+                    run.data[key] = await asyncio.to_thread(_bound, model, dtype, sizes, bound_env, path)
+                except (subprocess.SubprocessError, ValueError) as exc:
+                    run.data["errors"].append(f"{key}: {exc}")
         run.save()
-
+    log_dir = folder / "logs"
     if "ours" in servers:
-        ours_env = {**env, **_env_pairs(args.ours_env)}
-        await _run_ours(run, selected, sizes, model, dtype, ours_env, log_dir, mode, args, ceiling)
-    if "mlx_lm" in servers and set(selected) & {"throughput", "prefix", "pressure"}:
-        await _run_mlx_lm(run, selected, sizes, model, dtype, env, log_dir, mode, args)
-    run.data["finished_at"] = time.strftime("%Y%m%d-%H%M%S")
+        await _run_ours(run, selected, sizes, model, dtype, ours_env, log_dir, mode, args, ceiling,
+                        quantized_dir)
+    if "mlx_lm" in servers:
+        await _run_mlx_lm(run, selected, sizes, model, dtype, env, log_dir, mode, args, model_dir,
+                          quantized_dir)
+    run.data["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     run.data["loadavg_at_end"] = _loadavg()  # other work on a shared machine skews the numbers
     run.save()
-    return run.path
+    return folder
 
 
 def _loadavg() -> list[float] | None:
@@ -345,11 +417,10 @@ def _has_gpu() -> bool:
     return subprocess.run(["sh", "-c", "command -v nvidia-smi"], capture_output=True).returncode == 0
 
 
-def _ours(log_dir: Path, env: dict[str, str], model: str, dtype: str, extra: list[str],
-          kernel_variant: str | None = None) -> Server:
-    launcher = ["server.cli"] if kernel_variant is None else ["bench.serve_variant", kernel_variant]
-    args = [*launcher, "serve", "--load-format", "dummy", "--model", model, "--dtype", dtype,
-            "--served-model-name", OURS_NAME, "--api-key", API_KEY, "--log-level", "warning", *extra]
+def _ours(log_dir: Path, env: dict[str, str], model: str, dtype: str | None, extra: list[str]) -> Server:
+    load = ["--load-format", "dummy", "--dtype", str(dtype)] if dtype else []
+    args = ["server.cli", "serve", *load, "--model", model, "--served-model-name", OURS_NAME,
+            "--api-key", API_KEY, "--log-level", "warning", *extra]
     return Server("ours", args, log_dir, env=env, api_key=API_KEY)
 
 
@@ -363,37 +434,51 @@ def _env_pairs(pairs: list[str]) -> dict[str, str]:
     return out
 
 
+def _shared(selected: list[str], server: str) -> list[str]:
+    """The scenarios that run on one shared server, in the table's order (overload last)."""
+    order = [s for s in SCENARIOS if s in selected and server in SCENARIOS[s].servers]
+    shared = [s for s in order if not SCENARIOS[s].own_server]
+    return shared + (["overload"] if "overload" in order and server == "mlx_lm" else [])
+
+
+async def _run_scenarios(run: Run, server: Server, name: str, names: list[str], sizes: Sizes,
+                         warm_concurrency: tuple[int, ...]) -> None:
+    run.record("warmup", server.name, await scenarios.warmup(server, name, warm_concurrency))
+    for scenario in names:
+        fn = SCENARIOS[scenario].run
+        await run.scenario(scenario, server, lambda fn=fn: fn(server, name, sizes))  # type: ignore[misc]
+
+
 async def _run_ours(run: Run, selected: list[str], sizes: Sizes, model: str, dtype: str, env: dict[str, str],
-                    log_dir: Path, mode: Mode, args: argparse.Namespace, ceiling: int | None) -> None:
-    main_scenarios = [s for s in selected if s in ("throughput", "guard", "prefix")]
-    if main_scenarios:
-        server = _ours(log_dir, env, model, dtype, args.ours_arg, args.ours_kernel_variant)
+                    log_dir: Path, mode: Mode, args: argparse.Namespace, ceiling: int | None,
+                    quantized_dir: Path) -> None:
+    shared = _shared(selected, "ours")
+    if shared:
+        server = _ours(log_dir, env, model, dtype, args.ours_arg)
 
         async def body() -> None:
             run.data["ours_version"] = await _version(server)  # names the allocator it runs on
-            run.record("warmup", "ours", await scenarios.warmup(server, OURS_NAME, sizes.concurrency))
-            if "throughput" in selected:
-                await run.scenario("throughput", server,
-                                   lambda: scenarios.throughput(server, OURS_NAME, sizes))
-            if "guard" in selected:
-                await run.scenario("guard", server, lambda: scenarios.guard_cost(server, OURS_NAME, sizes))
-            if "prefix" in selected:
-                await run.scenario("prefix", server, lambda: scenarios.prefix_cache(server, OURS_NAME, sizes))
+            await _run_scenarios(run, server, OURS_NAME, shared, sizes, sizes.concurrency)
 
         await _with_server(server, mode.startup_timeout_s, run, body)
-    if "pressure" in selected:
+    if "overload" in selected:
         extra = list(args.ours_arg)
         if ceiling:
             extra += ["--memory-probe", "allocator", "--memory-tier", "custom",
                       "--memory-ceiling-bytes", str(ceiling)]
-        server = _ours(log_dir, env, model, dtype, extra, args.ours_kernel_variant)
+        server = _ours(log_dir, env, model, dtype, extra)
 
-        async def pressure() -> None:
-            await scenarios.warmup(server, OURS_NAME)
-            await run.scenario("pressure", server,
-                               lambda: scenarios.memory_pressure(server, OURS_NAME, sizes))
+        async def overload() -> None:
+            await _run_scenarios(run, server, OURS_NAME, ["overload"], sizes, (1,))
 
-        await _with_server(server, mode.startup_timeout_s, run, pressure)
+        await _with_server(server, mode.startup_timeout_s, run, overload)
+    if "quantized" in selected:
+        server = _ours(log_dir, env, str(quantized_dir), None, args.ours_arg)
+
+        async def quantized() -> None:
+            await _run_scenarios(run, server, OURS_NAME, ["quantized"], sizes, sizes.concurrency)
+
+        await _with_server(server, mode.startup_timeout_s, run, quantized)
 
 
 async def _version(server: Server) -> dict[str, Any] | None:
@@ -406,55 +491,50 @@ async def _version(server: Server) -> dict[str, Any] | None:
 
 
 async def _run_mlx_lm(run: Run, selected: list[str], sizes: Sizes, model: str, dtype: str,
-                      env: dict[str, str], log_dir: Path, mode: Mode, args: argparse.Namespace) -> None:
-    model_dir = args.model_dir or Path("/tmp/mlx-headroom-bench") / f"{Path(model).stem}-{dtype}"
-    print(f"[bench] writing the model for mlx_lm.server to {model_dir}", file=sys.stderr, flush=True)
-    try:
-        run.data["mlx_lm_model_dir"] = {"path": str(model_dir),
-                                        "write_s": round(await asyncio.to_thread(
-                                            _save_model_dir, model, dtype, model_dir, env), 2)}
-    except subprocess.SubprocessError as exc:
-        run.data["errors"].append(f"mlx_lm: writing the model failed: {exc}")
+                      env: dict[str, str], log_dir: Path, mode: Mode, args: argparse.Namespace,
+                      model_dir: Path, quantized_dir: Path) -> None:
+    shared = _shared(selected, "mlx_lm")
+    if shared:
+        print(f"[bench] writing the model for mlx_lm.server to {model_dir}", file=sys.stderr, flush=True)
+        try:
+            run.data["mlx_lm_model_dir"] = {"path": str(model_dir),
+                                            "write_s": round(await asyncio.to_thread(
+                                                _save_model_dir, model, dtype, model_dir, env), 2)}
+        except subprocess.SubprocessError as exc:
+            run.data["errors"].append(f"mlx_lm: writing the model failed: {exc}")
+            run.save()
+            shared = []
         run.save()
-        return
-    run.save()
-    server = Server("mlx_lm", ["mlx_lm.server", "--model", str(model_dir), *args.mlx_lm_arg], log_dir,
-                    env=env, api_key=API_KEY)
+    # overload runs last on the shared server: it is expected to kill mlx_lm.server on a GPU
+    quantized = ["quantized"] if "quantized" in selected else []
+    for names, directory in ((shared, model_dir), (quantized, quantized_dir)):
+        if not names:
+            continue
+        server = Server("mlx_lm", ["mlx_lm.server", "--model", str(directory), *args.mlx_lm_arg], log_dir,
+                        env=env, api_key=API_KEY)
 
-    async def body() -> None:
-        run.record("warmup", "mlx_lm", await scenarios.warmup(server, MLX_LM_NAME, sizes.concurrency))
-        if "throughput" in selected:
-            await run.scenario("throughput", server, lambda: scenarios.throughput(server, MLX_LM_NAME, sizes))
-        if "prefix" in selected:
-            await run.scenario("prefix", server, lambda: scenarios.prefix_cache(server, MLX_LM_NAME, sizes))
-        if "pressure" in selected:  # last: it is expected to kill mlx_lm.server on a GPU
-            await run.scenario("pressure", server,
-                               lambda: scenarios.memory_pressure(server, MLX_LM_NAME, sizes))
+        async def body(server: Server = server, names: list[str] = names) -> None:
+            await _run_scenarios(run, server, MLX_LM_NAME, names, sizes, sizes.concurrency)
 
-    await _with_server(server, mode.startup_timeout_s, run, body)
+        await _with_server(server, mode.startup_timeout_s, run, body)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser().parse_args(argv)
 
     def terminate(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, terminate)
     try:
-        path = asyncio.run(main_async(args))
+        folder = asyncio.run(main_async(args, argv))
     finally:
         stop_all()
-    print(path)
+    print(folder)
     from bench.table import markdown
 
-    data = json.loads(path.read_text())
+    data = json.loads((folder / "run.json").read_text())
     print(markdown(data))
-    from bench.summary import compact
-
-    print(compact(data))
+    print(summary.compact(data))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,20 +1,22 @@
 """The benchmark scenarios, each an async function of a running server and its parameters that
-returns a JSON-ready dict. They talk HTTP only, so they run against ours and mlx_lm.server
-alike; what only ours has (`/v1/memory`, `PUT /v1/memory-guard`) is asked for explicitly."""
+returns JSON-ready data, and `SCENARIOS`, the table of them that `python -m bench` offers. They
+talk HTTP only, so they run against ours and mlx_lm.server alike; what only ours has
+(`/v1/memory`, `PUT /v1/memory-guard`) is asked for explicitly."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import statistics
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from bench.gpu_busy import GpuBusy
 from bench.loadgen import LoadReport, Workload, filler, run_load
-from bench.servers import Server, Watch
+from bench.servers import GpuBusy, Server, Watch
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,13 @@ class Sizes:
     request_timeout_s: float = 600.0
     throughput_repeats: int = 1  # 2: each point's first run is cold, the second warm
     stream_modes: tuple[bool, ...] = (True,)  # (True, False): streaming and non-streaming
+    prefill_lengths: tuple[int, ...] = (128, 512, 2048)  # prompt tokens, one request at a time
+    prefill_repeats: int = 2  # per length; the TTFT's median counts
+    interference_concurrency: int = 4  # short streams decoding while one long prompt arrives
+    interference_max_tokens: int = 64  # long enough to decode through the long prompt's prefill
+    interference_long_tokens: int = 2048
+    interference_delay_s: float = 1.0  # the long prompt is sent this long after the short ones
+    quantized_bits: int = 4  # the `quantized` scenario's model: mlx-lm's affine quantization
 
 
 def _median(values: list[float]) -> float | None:
@@ -267,3 +276,82 @@ async def memory_pressure(server: Server, model: str, sizes: Sizes) -> dict[str,
                                                          "kv_bytes", "queue", "engine")}
         out["decisions"] = view.get("decisions", [])[-10:]
     return out
+
+
+async def prefill_by_length(server: Server, model: str, sizes: Sizes) -> list[dict[str, Any]]:
+    """Prefill rate by prompt length: one request at a time of each length, `prefill_repeats`
+    times, two new tokens each; prompt tokens over the median TTFT."""
+    points = []
+    for i, length in enumerate(sizes.prefill_lengths):
+        workload = Workload(1, length, 2, sizes.prefill_repeats, model=model,
+                            timeout_s=sizes.request_timeout_s, first_index=7_000_000 + i * 1_000)
+        report, watch = await _load(server, workload)
+        summary = report.summary()
+        ttft = [r.ttft_s for r in report.results if r.outcome == "ok" and r.ttft_s is not None]
+        median = _median(ttft)
+        points.append({"concurrency": 1, "prompt_tokens": length, **summary,
+                       "prefill_tok_s": round(length / median, 1) if median else None, "watch": watch})
+    return points
+
+
+async def interference(server: Server, model: str, sizes: Sizes) -> dict[str, Any]:
+    """What one long prompt does to short streams already decoding: their inter-token latency
+    (ITL) p99 alone, then with a prompt of `interference_long_tokens` sent
+    `interference_delay_s` after them. A server that prefills the long prompt in one piece
+    stalls every stream for its whole prefill; one that chunks it stalls them by a chunk."""
+    c = sizes.interference_concurrency
+
+    def short(first_index: int) -> Workload:
+        return Workload(c, sizes.prompt_tokens, sizes.interference_max_tokens, c, model=model,
+                        timeout_s=sizes.request_timeout_s, first_index=first_index)
+
+    alone, _ = await _load(server, short(8_000_000))
+    long = Workload(1, sizes.interference_long_tokens, 2, 1, model=model, timeout_s=sizes.request_timeout_s,
+                    first_index=8_100_000)
+
+    async def late_long() -> LoadReport:
+        await asyncio.sleep(sizes.interference_delay_s)
+        return await run_load(server.url, long, api_key=server.api_key)
+
+    async with Watch(server, memory_view=server.name == "ours") as watch:
+        mixed, long_report = await asyncio.gather(
+            run_load(server.url, short(8_200_000), api_key=server.api_key), late_long())
+    summary = mixed.summary()
+    long_summary = long_report.summary()
+    return {"concurrency": c, "prompt_tokens": sizes.prompt_tokens,
+            "max_tokens": sizes.interference_max_tokens,
+            "long_prompt_tokens": sizes.interference_long_tokens, **summary,
+            "failed": summary["failed"] + long_summary["failed"],
+            "dropped": summary["dropped"] + long_summary["dropped"],
+            "alone": alone.summary(), "long": long_summary,
+            "long_ttft_ms": long_summary["ttft_ms_p50"], "watch": watch.summary()}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A named scenario: what it measures, the servers it runs against, and its function."""
+
+    name: str
+    help: str
+    servers: tuple[str, ...]
+    run: Callable[[Server, str, Sizes], Awaitable[Any]]
+    own_server: bool = False  # ours runs it on a server of its own (other flags, another model)
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
+    Scenario("throughput", "output tok/s, TTFT and ITL by concurrency, against mlx_lm.server and the "
+             "bare mlx-lm model's bound", ("ours", "mlx_lm"), throughput),
+    Scenario("prefill", "prefill tok/s (prompt tokens over TTFT) by prompt length, one request at a time",
+             ("ours", "mlx_lm"), prefill_by_length),
+    Scenario("prefix", "TTFT of a cached long system prompt (a hit) over a cold one",
+             ("ours", "mlx_lm"), prefix_cache),
+    Scenario("interference", "short streams' ITL p99 while one long prompt arrives, against alone",
+             ("ours", "mlx_lm"), interference),
+    Scenario("overload", "N long prompts at once whose KV does not fit (40 x 32k on the GPU): answered, "
+             "refused (507), dropped, peak memory, alive after", ("ours", "mlx_lm"), memory_pressure,
+             own_server=True),
+    Scenario("guard", "throughput with the memory guard on and off (ours), ABBA rounds",
+             ("ours",), guard_cost),
+    Scenario("quantized", "the throughput scenario on the same model quantized by mlx-lm "
+             "(--quantized-bits, 4 by default)", ("ours", "mlx_lm"), throughput, own_server=True),
+)}

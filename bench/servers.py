@@ -3,26 +3,29 @@
 `Server` starts a command, waits for `/health`, and stops it with SIGTERM (then SIGKILL).
 `Watch` samples `/health` (and, for ours, `/v1/memory`; on CUDA machines `nvidia-smi`; always
 the process's resident set) every `interval_s` while a scenario runs, and summarises: health
-failures, whether the process survived, peak memory.
+failures, whether the process survived, peak memory. `GpuBusy` reads the driver's utilisation
+(NVML) over a stretch of work: near 100 % the device sets the pace, well below it the host.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import httpx
-
-from bench.periodic import Periodic
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -133,6 +136,90 @@ async def _nvidia_smi_used() -> int | None:
         return sum(int(x) for x in out.decode().split()) * (1 << 20)  # MiB, summed over GPUs
     except ValueError:
         return None
+
+
+class Periodic:
+    """A task that samples every `interval_s` seconds while a benchmark runs: subclasses say
+    what one sample is (`tick`); one HTTP client for the whole run, each sleep shortened by the
+    time the sample itself took."""
+
+    interval_s: float = 1.0
+    min_sleep_s: float = 0.0  # the least pause between samples
+    _task: asyncio.Task[None] | None = None
+
+    async def tick(self, client: httpx.AsyncClient) -> None:
+        raise NotImplementedError
+
+    def client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient()
+
+    async def _loop(self) -> None:
+        async with self.client() as client:
+            while True:
+                started = time.monotonic()
+                await self.tick(client)
+                await asyncio.sleep(max(self.min_sleep_s, self.interval_s - (time.monotonic() - started)))
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def __aenter__(self) -> Periodic:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+class GpuBusy:
+    """How busy the GPU was while the block ran, as NVML counts it (`percent`; None without
+    NVML: the CPU, Metal, or no nvidia-ml-py). NVML averages over its own sample period, so
+    readings from the first `skip_s` are dropped, and the block should run a few seconds."""
+
+    def __init__(self, period_s: float = 0.05, skip_s: float = 0.3) -> None:
+        self.period_s = period_s
+        self.skip_s = skip_s
+        self.samples: list[int] = []
+        self.percent: float | None = None
+        self._nvml: Any = None
+        self._handle: Any = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            import pynvml  # type: ignore[import-not-found, unused-ignore]
+
+            from memory.probes.nvml import visible_device
+
+            pynvml.nvmlInit()
+            self._nvml, self._handle = pynvml, visible_device(pynvml)
+        except Exception:  # no package, no driver, no device: report None
+            self._nvml = None
+
+    def __enter__(self) -> GpuBusy:
+        if self._nvml is not None:
+            self._thread = threading.Thread(target=self._poll, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self.samples:
+            self.percent = round(statistics.mean(self.samples), 1)
+
+    def _poll(self) -> None:
+        start = time.perf_counter()
+        while not self._stop.wait(self.period_s):
+            if time.perf_counter() - start >= self.skip_s:
+                self.samples.append(int(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu))
 
 
 class Watch(Periodic):

@@ -1,4 +1,4 @@
-"""A results JSON as a markdown table for the README: `python -m bench.table bench/results/X.json`."""
+"""A run as a markdown table: `python -m bench table bench/results/<folder>` (its run.json)."""
 
 from __future__ import annotations
 
@@ -91,10 +91,10 @@ def markdown(data: dict[str, Any]) -> str:
             [f"{_fmt(prefix[s].get('cold_ttft_ms_p50'), 0)} / {_fmt(prefix[s].get('hit_ttft_ms_p50'), 0)} "
              f"({_fmt(prefix[s].get('hit_over_cold'), 3)})" if isinstance(prefix.get(s), dict)
              and "error" not in prefix[s] else "–" for s in servers])
-    pressure = sc.get("pressure", {})
+    pressure = sc.get("overload") or sc.get("pressure") or {}
     if pressure:
         ceiling = data.get("settings", {}).get("pressure_ceiling_bytes")
-        label = (f"memory pressure, {sizes.get('pressure_requests')} × {sizes.get('pressure_prompt_tokens')}"
+        label = (f"overload, {sizes.get('pressure_requests')} × {sizes.get('pressure_prompt_tokens')}"
                  f"-token prompts, T={sizes.get('pressure_max_tokens')}")
         if ceiling:
             label += f" (ours on a simulated {_fmt(ceiling)} machine)"
@@ -114,8 +114,9 @@ def markdown(data: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    for path in argv:
-        print(markdown(json.loads(Path(path).read_text())))
+    for arg in argv:
+        path = Path(arg)
+        print(markdown(json.loads((path / "run.json" if path.is_dir() else path).read_text())))
     return 0
 
 

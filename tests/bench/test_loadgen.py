@@ -37,7 +37,7 @@ def test_loadgen_against_a_real_server(server) -> None:
                                                   timeout_s=30))).summary()
     assert s["ok"] == 3 and s["steady_window_s"] > 0 and s["steady_tpot_ms_p50"] > 0, s
     # a 400 is counted as failed, by status
-    bad = Workload(1, 48, 0, model="mlx-headroom/tiny-chat")
+    bad = Workload(1, 48, -1, model="mlx-headroom/tiny-chat")
     s = asyncio.run(run_load(server.url, bad)).summary()
     assert s["failed"] == 1 and list(s["failed_by_status"]) in (["400"], ["422"])
     # a closed port is dropped
