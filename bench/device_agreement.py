@@ -26,7 +26,8 @@ runs here in a tiny form:
 On the H200, `nvidia-ml-py` must be installed for the CUDA probe to read the driver (the
 `cuda` extra); without it `usage_source` says `mlx_allocator` and the agreement fails.
 
-The JSON report goes to `--out-dir` (default bench/results/) and a summary to stdout.
+The report goes to `<out-dir>/<date>-<machine>-memory-truth/` (run.json and summary.json; default
+out-dir bench/results/) and a summary to stdout.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ import argparse
 import asyncio
 import contextlib
 import json
+import shlex
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -236,7 +239,8 @@ async def single(server: Server, tokens: int, max_tokens: int, timeout_s: float,
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     mode = MODES[args.mode]
-    log_dir = args.out_dir / "logs" / f"device-agreement-{args.mode}-{time.strftime('%Y%m%d-%H%M%S')}"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    log_dir = Path("/tmp/mlx-headroom-bench/logs") / f"device-agreement-{args.mode}-{stamp}"
     extra = ["--max-concurrency", str(mode.max_concurrency), *args.ours_arg]
     server = Server("ours", ["server.cli", "serve", "--load-format", "dummy", "--model", mode.model,
                              "--dtype", mode.dtype, "--served-model-name", NAME, "--api-key", API_KEY,
@@ -296,6 +300,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _gpu_name() -> str | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                         text=True, timeout=30)
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=sorted(MODES), default="cpu-tiny")
@@ -310,13 +322,27 @@ def main(argv: list[str] | None = None) -> int:
     args.phases = {x.strip() for x in args.phases.split(",") if x.strip()}
     if args.phases - set(PHASES):
         p.error(f"unknown phases: {sorted(args.phases - set(PHASES))}")
+    started = time.strftime("%Y-%m-%dT%H:%M:%S")
     try:
         result = asyncio.run(run(args))
     finally:
         stop_all()
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    path = args.out_dir / f"device-agreement-{args.mode}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    from bench import summary
+    from bench.machine import machine_slug
+    from bench.run import _git_commit, result_dir
+
+    gpu = _gpu_name()
+    machine = {"backend": "cuda", "device_info": {"device_name": gpu}} if gpu else {"backend": "cpu"}
+    command = shlex.join(sys.argv[1:] if argv is None else argv)
+    result |= {"started_at": started, "commit": _git_commit(),
+               "command": f"python -m bench.device_agreement {command}"}
+    folder = result_dir(args.out_dir, machine, "memory-truth")
+    folder.mkdir(parents=True)
+    path = folder / "run.json"
     path.write_text(json.dumps(result, indent=1, default=str))
+    brief_summary = summary.convert(result, machine=machine_slug(machine), commit=result["commit"],
+                                    command=result["command"])
+    (folder / "summary.json").write_text(json.dumps(brief_summary, indent=1))
     brief = {k: result[k] for k in ("mode", "nvidia_smi", "goals", "overall", "after_burst")}
     brief["phases"] = {k: v["memory"] for k, v in result["phases"].items()}
     print(json.dumps(brief, indent=1, default=str))
