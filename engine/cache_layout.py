@@ -27,15 +27,6 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import (
-    ArraysCache,
-    CacheList,
-    ChunkedKVCache,
-    KVCache,
-    QuantizedKVCache,
-    RotatingKVCache,
-    make_prompt_cache,
-)
 
 from memory import ModelGeometry, geometry_from_model
 
@@ -150,8 +141,16 @@ def probe_cache_layout(model: Any, *, weights_loaded: bool = False) -> CacheLayo
 
     If the lazy forward raises and `weights_loaded`, one evaluated two-token forward is run
     instead (a few kilobytes on a loaded model); without loaded weights that would
-    materialise every parameter, so the error is raised instead.
+    materialise every parameter, so the error is raised instead, as it is up front for a
+    model whose forward reads values on the host (`.tolist()`, `.item()`, `mx.eval`).
     """
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if not weights_loaded and (reader := _host_reader(model)) is not None:
+        raise CacheLayoutError(
+            f"{reader}: its forward reads values on the host, which would evaluate "
+            "unloaded weights; load the weights to read its caches"
+        )
     tokens = mx.zeros((1, PROBE_TOKENS), dtype=mx.int32)
     caches = make_prompt_cache(model)
     try:
@@ -171,7 +170,38 @@ def probe_cache_layout(model: Any, *, weights_loaded: bool = False) -> CacheLayo
     return CacheLayout(tuple(layers), len(caches), int(logits.shape[-1]), _dtype_of(caches, logits))
 
 
+_HOST_READS = (".tolist()", ".item()", "mx.eval(")
+
+
+def _host_reader(model: Any) -> str | None:
+    """The first module defining one of the model's layers whose source reads arrays on the
+    host (dbrx's routing calls tolist()): a lazy forward would evaluate its weights."""
+    import inspect
+    import sys
+
+    for name in sorted({type(m).__module__ for m in model.modules()}):
+        module = sys.modules.get(name)
+        if module is None or not name.startswith("mlx_lm.models."):
+            continue
+        try:
+            source = inspect.getsource(module)
+        except (OSError, TypeError):
+            continue
+        if any(s in source for s in _HOST_READS):
+            return name
+    return None
+
+
 def _read(cache: Any) -> list[LayerCache]:
+    from mlx_lm.models.cache import (
+        ArraysCache,
+        CacheList,
+        ChunkedKVCache,
+        KVCache,
+        QuantizedKVCache,
+        RotatingKVCache,
+    )
+
     name = type(cache).__name__
     mergeable = hasattr(type(cache), "merge")
     if isinstance(cache, CacheList):

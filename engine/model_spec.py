@@ -107,11 +107,29 @@ def _dtype_bytes(tensors: Iterable[TensorInfo]) -> int | None:
 def _spec(name: str, config: Mapping[str, Any], tensors: list[TensorInfo], context: int,
           source: str) -> ModelSpec:
     try:
-        geometry: ModelGeometry = geometry_from_config(config, dtype_bytes=_dtype_bytes(tensors))
-    except ValueError as exc:
-        raise ModelSpecError(f"{name}: {exc}") from exc
+        geometry = _probed_geometry(config, _dtype_bytes(tensors))
+    except Exception as probe_error:  # a model class mlx-lm lacks, a forward that needs weights
+        try:
+            geometry = geometry_from_config(config, dtype_bytes=_dtype_bytes(tensors))
+        except ValueError as exc:
+            raise ModelSpecError(f"{name}: {exc}; and its caches could not be probed "
+                                 f"({probe_error})") from exc
     inventory: WeightInventory = inventory_from_tensors(tensors, quantization_from_config(config))
     return ModelSpec(name, geometry, inventory, context, source)
+
+
+def _probed_geometry(config: Mapping[str, Any], dtype_bytes: int | None) -> ModelGeometry:
+    """The geometry of the model mlx-lm would build from `config`, its caches read from a
+    lazy forward of the model built with unevaluated parameters (`engine.cache_layout`):
+    nothing is allocated, and models whose configs lack the usual keys (gpt2's n_head,
+    mamba's state) or whose caches differ from them (MLA) are sized as they store."""
+    from mlx_lm.utils import _get_classes
+
+    from engine.cache_layout import geometry_for, probe_cache_layout
+
+    model_class, args_class = _get_classes(dict(config))
+    lazy = model_class(args_class.from_dict(dict(config)))
+    return geometry_for(lazy, probe_cache_layout(lazy), dtype_bytes=dtype_bytes)
 
 
 def _dummy_spec(model: str, dtype: str | None, name: str) -> ModelSpec:

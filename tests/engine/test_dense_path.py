@@ -10,18 +10,22 @@ window-sized KV on its sliding layers, as the store counts it.
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
 from engine import EngineRequest, LoadedModel, RequestOutput, SamplingParams, TokenLogprob
 from engine.cache_layout import geometry_for, probe_cache_layout
 from engine.dense import DenseStore
 from engine.kv import KVStore
+from engine.model_spec import read_model_spec
 from tests.engine import tiny_archs
 from tests.engine.conftest import Harness
 
@@ -167,3 +171,16 @@ def test_prompt_logprobs_on_the_dense_path_equal_mlx_lms_forward(
         assert isinstance(entry, TokenLogprob) and entry.token == prompt[j]
         assert entry.logprob == pytest.approx(float(reference[j - 1, prompt[j]]), abs=1e-4)
     assert h.core.store.requests == {}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "mamba2", "deepseek_v3"])
+def test_load_admission_sizes_a_model_from_its_caches_before_loading(name: str, tmp_path: Path) -> None:
+    """Configs without the usual keys (gpt2's n_head, mamba2's state) and MLA are sized
+    from a lazy probe of the model their config builds, as the loaded model will be."""
+    model = tiny_archs.build(name)
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (tmp_path / "config.json").write_text(json.dumps(tiny_archs.CONFIGS[name]))
+    spec = read_model_spec(str(tmp_path))
+    layout = probe_cache_layout(model, weights_loaded=True)
+    assert spec.geometry.kv_bytes_per_token == layout.bytes_per_token
+    assert spec.geometry == geometry_for(model, layout)
