@@ -1,0 +1,159 @@
+"""GGUF file -> mlx-lm model directory, written atomically into the conversion cache.
+
+The directory is keyed by the file's sha256 and the weights' dtype:
+``<cache>/<sha256[:16]>-<dtype>/`` holds ``config.json``, ``model*.safetensors``,
+``tokenizer.json``, ``tokenizer_config.json`` and ``generation_config.json``. It is built in a
+temporary sibling and renamed into place, so a crash or a refused file leaves nothing a later
+start would take for a finished conversion.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.gguf.archs import architecture_of
+from engine.gguf.reader import GGUFError, GGUFFile, open_gguf
+from engine.gguf.tokenizer import build_tokenizer, tokenizer_config
+
+log = logging.getLogger("mlx_headroom.engine")
+
+CONVERTER_VERSION = 1
+SHARD_BYTES = 2 * 2**30
+CACHE_ENV = "MLX_HEADROOM_GGUF_CACHE"
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def gguf_cache_dir() -> Path:
+    """``$MLX_HEADROOM_GGUF_CACHE``, else ``gguf/`` under the project's cache directory."""
+    from engine.tiny_model import default_cache_dir
+
+    override = os.environ.get(CACHE_ENV)
+    return Path(override) if override else default_cache_dir() / "gguf"
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(8 * 2**20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def converted_dir(sha256: str, dtype: str) -> Path:
+    return gguf_cache_dir() / f"{sha256[:16]}-{dtype}"
+
+
+def is_converted(path: Path) -> bool:
+    return (path / "mlx_headroom_gguf.json").is_file()
+
+
+def find_gguf(model: str) -> Path | None:
+    """The GGUF file ``model`` names: a ``.gguf`` file, or a directory holding exactly one."""
+    path = Path(model)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").exists():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) > 1:
+            raise GGUFError(f"{path} holds several GGUF files ({', '.join(f.name for f in found)}): "
+                            "name one")
+        return found[0] if found else None
+    return None
+
+
+def ensure_converted(gguf_path: Path, *, dtype: str, sha256: str | None = None,
+                     progress: Callable[[str], None] = log.info) -> Path:
+    """The converted directory of ``gguf_path``, converting it first if it is not cached."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r}: one of {', '.join(_DTYPES)}")
+    if sha256 is None:
+        progress(f"hashing {gguf_path}")
+        sha256 = file_sha256(gguf_path)
+    target = converted_dir(sha256, dtype)
+    if is_converted(target):
+        return target
+    progress(f"converting {gguf_path} to an MLX model in {target} (first use only)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        convert_gguf(open_gguf(gguf_path), tmp, dtype=dtype, sha256=sha256)
+        tmp.chmod(0o755)  # mkdtemp made it private
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished first
+            if not is_converted(target):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def mlx_config(g: GGUFFile, dtype: str) -> dict[str, Any]:
+    """``config.json`` for the file, with no tensor read (load admission sizes from this)."""
+    arch = architecture_of(g)
+    g.check_types()
+    config = arch.config(g)
+    _, eos_ids = tokenizer_config(g, arch.chat_template, arch.extra_eos, config["max_position_embeddings"])
+    bos = g.metadata.get("tokenizer.ggml.bos_token_id")
+    return config | {"torch_dtype": dtype, "bos_token_id": bos, "eos_token_id": eos_ids}
+
+
+def weight_names(g: GGUFFile) -> dict[str, str]:
+    """GGUF tensor name -> mlx-lm weight name, for every tensor the model keeps."""
+    arch = architecture_of(g)
+    if "rope_freqs.weight" in g.tensors:
+        raise GGUFError(f"{g.path}: llama3-style RoPE frequency scaling (rope_freqs.weight) "
+                        "is not supported by the converter")
+    return {name: arch.hf_name(name) for name in g.tensors if name not in arch.skip}
+
+
+def convert_gguf(g: GGUFFile, out: Path, *, dtype: str, sha256: str) -> None:
+    """Write the mlx-lm model directory for ``g`` into ``out`` (which exists and is empty)."""
+    import mlx.core as mx
+
+    arch = architecture_of(g)
+    config = mlx_config(g, dtype)
+    names = weight_names(g)
+    tok = build_tokenizer(g)  # before the weights: a bad vocabulary fails fast
+    target = getattr(mx, dtype)
+    shards: list[dict[str, Any]] = [{}]
+    size = 0
+    for gguf_name, hf_name in names.items():
+        array = arch.fix(g, gguf_name, g.tensor(gguf_name))
+        if not np.all(np.isfinite(array)):
+            raise GGUFError(f"{g.path}: tensor {gguf_name} holds non-finite values (corrupted?)")
+        if size and size + array.size * target.size > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][hf_name] = mx.array(array).astype(target)
+        mx.eval(shards[-1][hf_name])
+        size += array.size * target.size
+    index: dict[str, str] = {}
+    for i, shard in enumerate(shards):
+        name = ("model.safetensors" if len(shards) == 1
+                else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
+        mx.save_safetensors(str(out / name), shard, metadata={"format": "mlx"})
+        index |= dict.fromkeys(shard, name)
+    if len(shards) > 1:
+        (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}, indent=1))
+    tok.save(str(out / "tokenizer.json"))
+    tok_config, eos_ids = tokenizer_config(g, arch.chat_template, arch.extra_eos,
+                                           config["max_position_embeddings"])
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": config["bos_token_id"], "eos_token_id": eos_ids}, indent=2))
+    (out / "mlx_headroom_gguf.json").write_text(json.dumps({  # written last: marks it complete
+        "converter_version": CONVERTER_VERSION, "source": str(g.path), "sha256": sha256,
+        "architecture": g.architecture, "name": g.metadata.get("general.name"), "dtype": dtype,
+    }, indent=2))
