@@ -90,8 +90,8 @@ def machine_info() -> dict[str, Any]:
 def source_digest() -> str:
     """A hash of the code that ran (every .py file of the packages and the bench, by path and
     content). The git commit alone can mislead: a copied working tree may carry a stale
-    `.git`, and in session 9 every device run reported 0893695, also for code committed
-    after it. `python -c 'from bench.machine import source_digest; print(source_digest())'`
+    `.git` (one day's device runs all reported 0893695, also for code committed after
+    it). `python -c 'from bench.machine import source_digest; print(source_digest())'`
     on a checkout says whether it is the code a result came from."""
     digest = hashlib.sha256()
     for package in ("engine", "memory", "server", "bench"):

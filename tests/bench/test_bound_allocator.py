@@ -1,5 +1,5 @@
 """bench.run measures the bound on the allocator our server will run on (`bound_allocator`):
-the bare step is host-paced, and jemalloc moves it (docs/throughput.md, session 15)."""
+the bare step is host-paced, and jemalloc moves it (docs/throughput.md, the bound)."""
 
 from __future__ import annotations
 
