@@ -10,7 +10,7 @@ fresh server) had compiled ahead in all 8 pairs: C=1 99-115 against 133-149 tok/
 Why it was tried: on CUDA the decode step is host-bound. The model's Python builds ~1,650 ops per step
 for an 8B model and MLX encodes each, while the device waits about 0.1 ms per step
 (`docs/throughput.md`). A compiled step skips the Python and fuses elementwise ops:
-`bench/compiled_step.py` measured 11.25 against 9.28 ms per step at batch 32 on the H200,
+an in-process A/B measured 11.25 against 9.28 ms per step at batch 32 on the H200,
 with the same tokens and the same peak memory.
 
 What is traced. The model's forward over one group of rows (one KV segment), as a pure

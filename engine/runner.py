@@ -12,7 +12,7 @@ queued (`mx.async_eval`) only once step n's tokens are back: MLX decides at queu
 whether a slice update may write in place, and a buffer that in-flight work still
 references is copied instead, so queueing the writes of step n+1 while step n still
 reads the pool would copy the pool's layer arrays every step (measured on the CPU: 5x
-slower). `overlap=True` queues first (mlx-lm's order); `bench/kv_store.py` measures both,
+slower). `overlap=True` queues first (mlx-lm's order); docs/kv-store.md has both measured,
 and the engine picks per backend (`EngineConfig.decode_overlap`).
 """
 

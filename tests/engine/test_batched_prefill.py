@@ -82,7 +82,7 @@ def test_a_batched_call_gives_each_row_its_one_prompt_logits_and_kv(tiny_loaded,
 def test_a_ragged_calls_mask_is_additive_in_the_pools_dtype(tiny_loaded):
     """A boolean mask is broadcast to every query head and, on CUDA, materialised that
     way in each layer: 27.4 GB over one attention call at three rows of 2,048 tokens over
-    34,816 on the H200, against 256 bytes for the additive mask (`bench.prefill_mask`).
+    34,816 on the H200, against 256 bytes for the additive mask (docs/throughput.md).
     The plan's mask is the additive one: 0 where the boolean rule allows a key, -inf
     elsewhere, [B, 1, T, L], in the pool's (the queries') dtype."""
     store = _store(tiny_loaded)

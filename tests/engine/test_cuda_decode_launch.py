@@ -1,5 +1,5 @@
 """The paged decode kernel's launches, recorded on the CPU (the kernels run on CUDA only;
-`bench/kv_store.py --checks-only` checks their numbers on the H200): one attention launch
+tests/engine/test_kernel_compile.py compiles them with NVRTC): one attention launch
 and one merge launch per layer, shaped from the batch, heads and the partition."""
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ def test_plain_paged_attention_matches_attention_over_each_row_alone():
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_the_plain_paths_length_mask_is_additive_in_the_queries_dtype(dtype):
-    """A boolean mask is materialised across every query head on CUDA (`bench.prefill_mask`);
+    """A boolean mask is materialised across every query head on CUDA (docs/throughput.md);
     the plain decode path (the CPU, Metal, and CUDA shapes the kernel does not take) passes
     0 / -inf in the queries' dtype: 0 up to each row's length, -inf past it."""
     s = KVStore(GEO, block_size=16, segment_tokens=256)
