@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from engine.cache_layout import CacheLayout, geometry_for, probe_cache_layout
 from engine.fusion import fuse_projections as fuse
@@ -59,7 +58,9 @@ class LoadedModel:
     fused_groups: int = 0  # projection groups fused into one matmul at load (engine.fusion)
     layout: CacheLayout | None = None  # what its caches hold (None: probed when first asked)
 
-    def make_cache(self) -> list[KVCache]:
+    def make_cache(self) -> list[Any]:
+        from mlx_lm.models.cache import make_prompt_cache
+
         return make_prompt_cache(self.model)
 
     def cache_layout(self) -> CacheLayout:

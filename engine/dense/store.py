@@ -23,8 +23,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_lm.models.cache import CacheList, make_prompt_cache
-
 from engine.cache_layout import KV_STEP, CacheLayout
 from engine.kv.store import KVStoreStats, SharedPrefix
 
@@ -73,6 +71,8 @@ class DenseStore:
     ) -> DenseAllocation:
         if request_id in self.requests:
             raise ValueError(f"request {request_id} already holds KV")
+        from mlx_lm.models.cache import make_prompt_cache
+
         alloc = DenseAllocation(request_id, tokens, make_prompt_cache(self.model))
         self.requests[request_id] = alloc
         return alloc
@@ -180,6 +180,8 @@ class DenseStore:
 
 
 def _leaves(caches: list[Any]) -> Iterator[Any]:
+    from mlx_lm.models.cache import CacheList
+
     for c in caches:
         if isinstance(c, CacheList):
             yield from _leaves(list(c.caches))

@@ -23,12 +23,11 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
-import mlx_lm.models.base as mlx_base
 
 from engine.kv.cache import DecodeCache, DecodeGroup
 from engine.kv.cuda_decode import paged_decode, partition_split
 
-_ORIGINAL: Callable[..., mx.array] = mlx_base.scaled_dot_product_attention
+_ORIGINAL: Callable[..., mx.array] | None = None  # mlx-lm's, looked up by `_original`
 _kernel_enabled: bool | None = None
 
 
@@ -57,7 +56,7 @@ def paged_scaled_dot_product_attention(
         if sinks is not None:
             raise NotImplementedError("attention sinks are not supported by the paged KV store")
         return decode_attention(queries, cache, scale)
-    return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    return _original()(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
 def decode_attention(queries: mx.array, cache: DecodeCache, scale: float) -> mx.array:
@@ -126,17 +125,29 @@ def install_attention_hook(model: Any) -> int:
     Returns how many modules were rebound; zero means the model's attention does not go
     through mlx-lm's shared function, and the paged store cannot serve it.
     """
+    original = _original()
     names = {type(m).__module__ for m in _modules(model)}
     rebound = 0
     for name in sorted(names):
         module = sys.modules.get(name)
         fn = getattr(module, "scaled_dot_product_attention", None)
-        if fn is _ORIGINAL:
+        if fn is original:
             module.scaled_dot_product_attention = paged_scaled_dot_product_attention
             rebound += 1
         elif fn is paged_scaled_dot_product_attention:
             rebound += 1
     return rebound
+
+
+def _original() -> Callable[..., mx.array]:
+    """mlx-lm's attention function. Imported on first use, once a model is loaded: mlx-lm
+    imports transformers, a second or more that a server should not pay before it starts."""
+    global _ORIGINAL
+    if _ORIGINAL is None:
+        import mlx_lm.models.base as mlx_base
+
+        _ORIGINAL = mlx_base.scaled_dot_product_attention
+    return _ORIGINAL
 
 
 def _modules(model: Any) -> list[Any]:

@@ -22,7 +22,6 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import create_attention_mask
 
 from engine.kv.device_vectors import device_vector
 from engine.kv.masks import additive_mask
@@ -51,6 +50,8 @@ class PrefillCache:
         )
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        from mlx_lm.models.cache import create_attention_mask  # loaded with the model
+
         return create_attention_mask(
             n, offset=self.offset, return_array=return_array, window_size=window_size
         )
