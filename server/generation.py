@@ -68,8 +68,13 @@ def prepare(
     logprobs: bool,
     top_logprobs: int,
     new_processor: Callable[[], LogitsProcessor | None] = _no_processor,
+    prompt_param: str = "messages",
 ) -> Prepared:
-    """Validate lengths against the context and build the sampling parameters."""
+    """Validate lengths against the context and build the sampling parameters.
+
+    `max_tokens` is a ceiling: clamped to the room the prompt leaves in the context (agents
+    ask for 32k output tokens whatever the model). Refused are only a prompt that leaves
+    no room, and a `max_tokens` above the operator's cap."""
     room = context_length - len(prompt_tokens)
     requested = body.requested_max_tokens
     if requested is not None and requested > max_tokens_cap:
@@ -77,15 +82,13 @@ def prepare(
             f"max_tokens is {requested}, above this server's cap of {max_tokens_cap}",
             code="max_tokens_too_large", param="max_tokens",
         )
-    if room < 1 or (requested is not None and requested > room):
-        total = len(prompt_tokens) + (requested or 1)
+    if room < 1:
         raise BadRequest(
-            f"This model's maximum context length is {context_length} tokens. However, you "
-            f"requested {total} tokens ({len(prompt_tokens)} in the prompt, "
-            f"{requested or 1} for the completion). Shorten the prompt or lower max_tokens.",
-            code="context_length_exceeded", param="messages",
+            f"This model's maximum context length is {context_length} tokens, and the prompt "
+            f"is {len(prompt_tokens)} tokens: it leaves no room for output. Shorten the prompt.",
+            code="context_length_exceeded", param=prompt_param,
         )
-    max_tokens = requested if requested is not None else min(default_max_tokens, room)
+    max_tokens = min(requested if requested is not None else default_max_tokens, room)
     sampling = SamplingParams(
         temperature=body.temperature,
         top_p=body.top_p,

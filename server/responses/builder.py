@@ -1,14 +1,21 @@
 """The Responses API's output, built as the text arrives: the response object, its output
-items (`message`, `function_call`), and, for streaming, the documented events in order,
-each numbered with its `sequence_number`."""
+items (`message`, `function_call`, `custom_tool_call`), and, for streaming, the documented
+events in order, each numbered with its `sequence_number`.
+
+Generated calls name the request's template functions; `Toolset.ref` turns each back into
+what the client sent: a namespaced function as its bare `name` plus `namespace`, a custom
+tool as a `custom_tool_call` whose `input` is the text the model wrote."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
 
+from server.errors import APIError
 from server.responses.schemas import ResponsesRequest
+from server.responses.toolset import Toolset, custom_input
 from server.tools import ArgumentsDelta, CallDone, CallStarted, ContentText, ParseEvent, ToolCallParser
 
 
@@ -20,31 +27,34 @@ class ResponseBuilder:
     """The response object and its output items, built as the text arrives; with
     `events` on, also the stream's events in order, numbered."""
 
-    def __init__(self, body: ResponsesRequest, model: str, parser: ToolCallParser | None) -> None:
+    def __init__(self, body: ResponsesRequest, model: str, parser: ToolCallParser | None,
+                 toolset: Toolset | None = None) -> None:
         self.body = body
         self.model = model
         self.parser = parser
+        self.toolset = toolset or Toolset()
         self.id = _new_id("resp")
         self.created_at = int(time.time())
         self.output: list[dict[str, Any]] = []
         self.sequence = 0
         self._message: dict[str, Any] | None = None  # the open message item, if any
-        self._calls: dict[str, dict[str, Any]] = {}  # function_call items still streaming
+        self._calls: dict[str, dict[str, Any]] = {}  # call items still streaming
+        self._custom_arguments: dict[str, str] = {}  # a custom call's JSON arguments so far
         self.status = "in_progress"
+        self.error: dict[str, Any] | None = None
         self.incomplete: dict[str, Any] | None = None
         self.usage: dict[str, Any] | None = None
 
     # -- the response object -------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
         body = self.body
-        choice = body.tool_choice
         return {
             "id": self.id,
             "object": "response",
             "created_at": self.created_at,
             "status": self.status,
             "background": False,
-            "error": None,
+            "error": self.error,
             "incomplete_details": self.incomplete,
             "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens,
@@ -52,12 +62,12 @@ class ResponseBuilder:
             "output": [dict(item) for item in self.output],
             "parallel_tool_calls": body.parallel_tool_calls,
             "previous_response_id": body.previous_response_id,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": {"effort": None, "summary": None, **(body.reasoning or {})},
             "store": body.store,
             "temperature": body.temperature,
             "text": {"format": body.text.format.public()},
-            "tool_choice": choice if isinstance(choice, str) else choice.model_dump(),
-            "tools": [{**t.model_dump(), "strict": bool(t.strict)} for t in body.tools],
+            "tool_choice": body.tool_choice,
+            "tools": [_echo_tool(t) for t in body.tools],
             "top_p": body.top_p,
             "truncation": "disabled",
             "usage": self.usage,
@@ -72,9 +82,17 @@ class ResponseBuilder:
 
     def conversation(self) -> list[dict[str, Any]]:
         """This output as chat messages, for a later previous_response_id."""
-        calls = [{"id": i["call_id"], "type": "function",
-                  "function": {"name": i["name"], "arguments": i["arguments"]}}
-                 for i in self.output if i["type"] == "function_call"]
+        calls = []
+        for item in self.output:
+            if item["type"] == "function_call":
+                arguments = item["arguments"]
+            elif item["type"] == "custom_tool_call":
+                arguments = json.dumps({"input": item["input"]}, ensure_ascii=False)
+            else:
+                continue
+            name = self.toolset.template_name(item["name"], item.get("namespace"))
+            calls.append({"id": item["call_id"], "type": "function",
+                          "function": {"name": name, "arguments": arguments}})
         message: dict[str, Any] = {"role": "assistant", "content": self.output_text()}
         if calls:
             message["tool_calls"] = calls
@@ -148,14 +166,26 @@ class ResponseBuilder:
         ]
 
     def _call_started(self, started: CallStarted) -> list[dict[str, Any]]:
-        item = {"type": "function_call", "id": _new_id("fc"), "call_id": started.call_id,
-                "name": started.name, "arguments": "", "status": "in_progress"}
+        ref = self.toolset.ref(started.name)
+        item: dict[str, Any]
+        if ref.kind == "custom":
+            item = {"type": "custom_tool_call", "id": _new_id("ctc"), "call_id": started.call_id,
+                    "name": ref.name, "input": "", "status": "in_progress"}
+            self._custom_arguments[started.call_id] = ""
+        else:
+            item = {"type": "function_call", "id": _new_id("fc"), "call_id": started.call_id,
+                    "name": ref.name, "arguments": "", "status": "in_progress"}
+        if ref.namespace is not None:
+            item["namespace"] = ref.namespace
         self.output.append(item)
         self._calls[started.call_id] = item
         return [self._event("response.output_item.added", output_index=len(self.output) - 1,
                             item=dict(item))]
 
     def _arguments(self, delta: ArgumentsDelta) -> list[dict[str, Any]]:
+        if delta.call_id in self._custom_arguments:  # the input is known once the JSON is whole
+            self._custom_arguments[delta.call_id] += delta.delta
+            return []
         item = self._calls[delta.call_id]
         item["arguments"] += delta.delta
         return [self._event("response.function_call_arguments.delta", item_id=item["id"],
@@ -165,11 +195,42 @@ class ResponseBuilder:
         item = self._calls.pop(done.call.id)
         item["status"] = "completed"
         index = self.output.index(item)
+        if item["type"] == "custom_tool_call":
+            self._custom_arguments.pop(done.call.id, None)
+            item["input"] = custom_input(done.call.arguments)
+            return [
+                self._event("response.custom_tool_call_input.delta", item_id=item["id"],
+                            output_index=index, delta=item["input"]),
+                self._event("response.custom_tool_call_input.done", item_id=item["id"],
+                            output_index=index, input=item["input"]),
+                self._event("response.output_item.done", output_index=index, item=dict(item)),
+            ]
         return [
             self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                         name=item["name"], arguments=item["arguments"]),
             self._event("response.output_item.done", output_index=index, item=dict(item)),
         ]
+
+    def heartbeat(self) -> dict[str, Any]:
+        """`response.in_progress` again: a long prefill is not silence to the client."""
+        return self._event("response.in_progress", response=self.snapshot())
+
+    def fail(self, exc: APIError) -> list[dict[str, Any]]:
+        """`response.failed`, the error's code as agents read it (Codex retries
+        `rate_limit_exceeded` and compacts on `context_length_exceeded`)."""
+        error = exc.body()["error"]
+        message = error["message"]
+        if exc.status in (429, 507):
+            code = "rate_limit_exceeded"
+            retry = (exc.headers or {}).get("Retry-After")
+            if retry is not None:
+                message += f" Please try again in {retry}s."
+        elif error.get("code") == "context_length_exceeded":
+            code = "context_length_exceeded"
+        else:
+            code = "server_error"
+        self.status, self.error = "failed", {"code": code, "message": message}
+        return [self._event("response.failed", response=self.snapshot())]
 
     def finish(self, finish_reason: str | None, usage: dict[str, Any]) -> list[dict[str, Any]]:
         events = self._close_message()
@@ -188,3 +249,9 @@ class ResponseBuilder:
             self.status = "completed"
             events.append(self._event("response.completed", response=self.snapshot()))
         return events
+
+
+def _echo_tool(tool: Any) -> Any:
+    if isinstance(tool, dict) and tool.get("type") == "function":
+        return {**tool, "strict": bool(tool.get("strict"))}
+    return tool

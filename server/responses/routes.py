@@ -1,17 +1,25 @@
 """POST /v1/responses (and GET/DELETE of stored responses): OpenAI's Responses API over
 the same generation plumbing as chat completions.
 
-A request becomes a chat conversation (`schemas.items_to_messages`), goes through
-`plan_chat` (template, tools, grammar) and `Generation` like a chat request with n=1,
-and its output is parsed for tool calls into `message` and `function_call` items.
-Streaming holds the HTTP status until the first token or a refusal, so a memory refusal
-is a real 507 before any event; then the documented events follow in order, each with
-its `sequence_number`.
+A request's tools become template functions (`toolset.py`), its input items a chat
+conversation (`items.py`); it goes through `plan_chat` (template, tools, grammar) and
+`Generation` like a chat request with n=1, and its output is parsed for tool calls into
+`message`, `function_call` and `custom_tool_call` items. What the server cannot use
+(hosted tools, unknown item types and fields) is skipped and named in the log, never
+refused.
+
+Streaming holds the HTTP status for up to `HOLD_S` while the request is admitted, so a
+quick refusal (memory, queue) is a real status; then `response.created` goes out even if
+the first token is still far off (a long prompt prefills for a while, and agents give up
+on a silent stream), with `response.in_progress` every `HEARTBEAT_S` until it comes.
+Errors after that end the stream with `response.failed`.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,16 +28,22 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from server import fastjson
 from server.chat_plan import plan_chat
-from server.errors import APIError, BadRequest, NotFound
+from server.errors import BadRequest, NotFound, from_engine_error
 from server.generation import Generation, gather, prepare
 from server.model_pool import check_served_model, serving_state
 from server.responses.builder import ResponseBuilder
+from server.responses.items import Conversation, ImageOnlyInput, to_conversation
 from server.responses.schemas import ResponsesRequest
 from server.responses.store import ResponseStore
+from server.responses.toolset import Toolset
 from server.state import get_state
 from server.structured import response_format_grammar
 
 router = APIRouter()
+log = logging.getLogger("mlx_headroom.server.responses")
+
+HOLD_S = 2.0  # how long a stream waits for admission before it starts without a token
+HEARTBEAT_S = 10.0  # response.in_progress while the first token is awaited
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -66,6 +80,17 @@ def _sse(event: dict[str, Any]) -> bytes:
     return b"event: " + event["type"].encode() + b"\ndata: " + fastjson.dumps(event) + b"\n\n"
 
 
+def _log_ignored(body: ResponsesRequest, toolset: Toolset, conv: Conversation) -> None:
+    """Names of what was skipped, never text."""
+    ignored = {f"field:{name}" for name in body.ignored_fields()}
+    ignored |= {f"tool:{kind}" for kind in toolset.ignored}
+    ignored |= {f"input:{kind}" for kind in conv.ignored}
+    if conv.images_dropped:
+        ignored.add(f"images:{conv.images_dropped}")
+    if ignored:
+        log.info("/v1/responses: ignored %s", ", ".join(sorted(ignored)))
+
+
 @router.post("/v1/responses", response_model=None)
 async def create_response(body: ResponsesRequest, request: Request) -> JSONResponse | StreamingResponse:
     state = await serving_state(request, body.model, check_served_model)
@@ -85,37 +110,47 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
                 code="previous_response_not_found", param="previous_response_id",
             )
         history = list(previous.conversation)
-    conversation = history + body.messages()
+    toolset = Toolset.build(body.tools)
+    try:
+        conv = to_conversation(body.items(), toolset)
+    except ImageOnlyInput as exc:
+        raise BadRequest(str(exc), code="image_input_unsupported", param="input") from exc
+    choice = toolset.choice(body.tool_choice)
+    _log_ignored(body, toolset, conv)
+    conversation = history + conv.messages
+    system_texts = [t for t in [body.instructions, *conv.system] if t]
+    if not conversation and system_texts:  # only developer text: it is the request
+        conversation, system_texts = [{"role": "user", "content": "\n\n".join(system_texts)}], []
     if not conversation:
         raise BadRequest("input is empty", param="input")
-    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    messages = system + conversation  # instructions do not carry over to a continuation
+    # Instructions do not carry over to a continuation: they are not stored.
+    system = [{"role": "system", "content": "\n\n".join(system_texts)}] if system_texts else []
     fmt = body.text.format
     grammar = response_format_grammar(fmt.type, fmt.schema_, param="text.format")
-    plan = await plan_chat(state, messages, tools=body.function_tools(), choice=body.choice(),
+    plan = await plan_chat(state, system + conversation, tools=toolset.functions, choice=choice,
                            parallel_tool_calls=body.parallel_tool_calls, response_format=grammar,
                            messages_param="input", format_param="text.format")
     prepared = prepare(
         prompt_tokens=plan.tokens, body=_Sampling(body.max_output_tokens, body.temperature, body.top_p),
         context_length=state.context_length, default_max_tokens=state.settings.default_max_tokens,
         max_tokens_cap=state.settings.max_tokens_cap, logprobs=False, top_logprobs=0,
-        new_processor=plan.new_processor,
+        new_processor=plan.new_processor, prompt_param="input",
     )
     generation = Generation(state.engine, state.tokenizer, prepared,
                             timeout_s=state.settings.request_timeout_s)
     request.state.generation = generation
-    builder = ResponseBuilder(body, body.model, plan.parser())
+    builder = ResponseBuilder(body, body.model, plan.parser(), toolset)
 
     def remember() -> None:
         if body.store:
             store.put(builder.snapshot(), conversation + builder.conversation())
 
     if body.stream:
-        try:
-            first = await generation.first_event()
-        except BaseException:
+        first = asyncio.ensure_future(generation.first_event())
+        await asyncio.wait({first}, timeout=HOLD_S)
+        if first.done() and first.exception() is not None:
             generation.close()
-            raise
+            raise first.exception()  # type: ignore[misc]
         return StreamingResponse(_stream(generation, builder, first, remember),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
@@ -130,15 +165,20 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
     return JSONResponse(builder.snapshot())
 
 
-async def _stream(generation: Generation, builder: ResponseBuilder, first: Any,
-                  remember: Any) -> AsyncIterator[bytes]:
+async def _stream(generation: Generation, builder: ResponseBuilder, first: asyncio.Future[Any],
+                  remember: Callable[[], None]) -> AsyncIterator[bytes]:
     try:
         for event in builder.start():
             yield _sse(event)
+        while not first.done():
+            await asyncio.wait({first}, timeout=HEARTBEAT_S)
+            if not first.done():
+                yield _sse(builder.heartbeat())
 
         async def events() -> AsyncIterator[Any]:
-            if first is not None:
-                yield first
+            head = first.result()
+            if head is not None:
+                yield head
             async for item in generation.rest():
                 yield item
 
@@ -149,11 +189,11 @@ async def _stream(generation: Generation, builder: ResponseBuilder, first: Any,
                 for event in builder.finish(finish, generation.usage()):
                     yield _sse(event)
                 remember()
-    except APIError as exc:
-        error = exc.body()["error"]
-        yield _sse({"type": "error", "sequence_number": builder.sequence, "code": error["code"],
-                    "message": error["message"], "param": error["param"]})
+    except Exception as exc:
+        for event in builder.fail(from_engine_error(exc)):
+            yield _sse(event)
     finally:
+        first.cancel()
         generation.close()
 
 

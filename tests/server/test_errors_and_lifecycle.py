@@ -59,7 +59,7 @@ def test_unknown_model_is_404(server):
 
 def test_context_length_exceeded(server):
     r = httpx.post(f"{server.url}/v1/chat/completions",
-                   json={"model": MODEL, "messages": MESSAGES, "max_tokens": 9000})
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "x" * 9000}]})
     assert_error(r, 400, "context_length_exceeded")
     r = httpx.post(f"{server.url}/v1/completions",
                    json={"model": MODEL, "prompt": [1] * 8200, "max_tokens": 1})

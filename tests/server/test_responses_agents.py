@@ -1,0 +1,146 @@
+"""/v1/responses as coding agents use it: Codex-shaped requests (tests/server/codex_corpus/)
+stream to `response.completed`; forced calls of a namespaced function and of a custom tool
+come back as Codex reads them and work as history; an oversized max_tokens is clamped on
+all three APIs."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import MODEL
+
+CORPUS = sorted((Path(__file__).parent / "codex_corpus").glob("*.json"))
+FIRST_TURN = json.loads((Path(__file__).parent / "codex_corpus" / "first_turn.json").read_text())
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+          "additionalProperties": False}
+# The tiny model writes random text: a response format makes it finish (`completed`).
+ENDS = {"format": {"type": "json_schema", "name": "done", "schema": SCHEMA, "strict": True}}
+
+
+def stream(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", url + "/v1/responses", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        lines = list(r.iter_lines())
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    names = [line[7:] for line in lines if line.startswith("event: ")]
+    assert names == [e["type"] for e in events]
+    return events
+
+
+def check_sequence(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The documented order; every output item added and done; the final response."""
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed", kinds[-1]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
+    done = {e["output_index"]: e["item"] for e in events if e["type"] == "response.output_item.done"}
+    response = events[-1]["response"]
+    assert added == sorted(done) == list(range(len(response["output"])))
+    assert [done[i] for i in added] == response["output"]
+    usage = response["usage"]
+    for key in ("input_tokens", "output_tokens", "total_tokens"):
+        assert isinstance(usage[key], int)
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"] > 0
+    assert isinstance(usage["input_tokens_details"]["cached_tokens"], int)
+    return response
+
+
+@pytest.mark.parametrize("path", CORPUS, ids=[p.stem for p in CORPUS])
+def test_codex_shaped_requests_stream_to_completed(server, path):
+    body = {**json.loads(path.read_text()), "text": ENDS, "max_output_tokens": 60}
+    response = check_sequence(stream(server.url, body))
+    assert response["status"] == "completed" and response["output"][0]["type"] == "message"
+    json.loads(response["output"][0]["content"][0]["text"])
+
+
+def test_a_forced_namespaced_call_carries_its_namespace_and_works_as_history(server):
+    body = {**copy.deepcopy(FIRST_TURN), "tool_choice": {"type": "function", "name": "search_docs"},
+            "max_output_tokens": 300}
+    events = stream(server.url, body)
+    response = check_sequence(events)
+    call = response["output"][0]
+    assert call["type"] == "function_call"
+    assert (call["name"], call["namespace"]) == ("search_docs", "mcp__docs__")
+    assert set(json.loads(call["arguments"])) == {"query"}
+    assert "response.function_call_arguments.done" in [e["type"] for e in events]
+
+    follow = {**copy.deepcopy(FIRST_TURN), "text": ENDS, "max_output_tokens": 60}
+    follow["input"] += [{k: call[k] for k in ("type", "call_id", "name", "namespace", "arguments")},
+                        {"type": "function_call_output", "call_id": call["call_id"], "output": "found"}]
+    again = check_sequence(stream(server.url, follow))
+    assert again["usage"]["input_tokens"] > response["usage"]["input_tokens"]
+
+
+def test_a_forced_custom_tool_call_is_a_custom_tool_call_and_works_as_history(server):
+    """A regex-grammar custom tool: the forced call keeps to the grammar, so it ends."""
+    mode = {"type": "custom", "name": "set_mode", "description": "Pick a mode.",
+            "format": {"type": "grammar", "syntax": "regex", "definition": "(fast|slow)"}}
+    body = {**copy.deepcopy(FIRST_TURN), "tool_choice": {"type": "custom", "name": "set_mode"},
+            "max_output_tokens": 300}
+    body["tools"].append(mode)
+    events = stream(server.url, body)
+    response = check_sequence(events)
+    call = response["output"][0]
+    assert call["type"] == "custom_tool_call" and call["name"] == "set_mode"
+    assert call["input"] in ("fast", "slow") and "namespace" not in call
+    done = [e for e in events if e["type"] == "response.custom_tool_call_input.done"]
+    assert [e["input"] for e in done] == [call["input"]]
+
+    follow = {**copy.deepcopy(FIRST_TURN), "text": ENDS, "max_output_tokens": 60}
+    follow["tools"].append(mode)
+    follow["input"] += [{k: call[k] for k in ("type", "call_id", "name", "input")},
+                        {"type": "custom_tool_call_output", "call_id": call["call_id"], "output": "ok"}]
+    check_sequence(stream(server.url, follow))
+
+
+def test_a_custom_tool_inside_a_namespace_whole(server):
+    body = {**copy.deepcopy(FIRST_TURN), "stream": False, "max_output_tokens": 300,
+            "tool_choice": {"type": "custom", "name": "render"}}
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    call = r.json()["output"][0]
+    assert (call["type"], call["name"], call["namespace"]) == ("custom_tool_call", "render", "mcp__docs__")
+
+
+def test_an_image_only_turn_is_refused_in_the_responses_error_shape(server):
+    image = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}
+    r = httpx.post(server.url + "/v1/responses", timeout=60, json={
+        "model": MODEL, "input": [{"role": "user", "content": [image]}]})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert (error["code"], error["param"]) == ("image_input_unsupported", "input")
+    assert "image" in error["message"]
+
+
+def test_an_oversized_max_tokens_is_clamped_on_all_three_apis(server):
+    """32,000 on the 8,192-token tiny model, as Claude Code asks: served, not refused.
+    Forced formats or calls end each output early."""
+    ask = [{"role": "user", "content": "Hi"}]
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": ask, "max_tokens": 32000,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "done", "schema": SCHEMA}}})
+    assert r.status_code == 200, r.text
+    r = httpx.post(server.url + "/v1/responses", timeout=120, json={
+        "model": MODEL, "input": "Hi", "max_output_tokens": 32000, "text": ENDS})
+    assert r.status_code == 200 and r.json()["status"] == "completed", r.text
+    tool = {"name": "done", "input_schema": SCHEMA}
+    r = httpx.post(server.url + "/v1/messages", timeout=120, json={
+        "model": MODEL, "messages": ask, "max_tokens": 32000, "tools": [tool],
+        "tool_choice": {"type": "tool", "name": "done", "disable_parallel_tool_use": True}})
+    assert r.status_code == 200, r.text
+
+
+def test_only_a_prompt_that_does_not_fit_is_refused_with_its_size(server):
+    r = httpx.post(server.url + "/v1/completions", timeout=60,
+                   json={"model": MODEL, "prompt": [1] * 8200, "max_tokens": 1})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert "8200" in error["message"] and "8192" in error["message"]
