@@ -5,6 +5,7 @@
     ├── Unauthorized (401)    a missing or wrong API key
     ├── Forbidden (403)       the API key is not the admin key
     ├── NotFound (404)        unknown model or route
+    ├── Conflict (409)        the model is in use (DELETE /v1/models/{id})
     ├── PayloadTooLarge (413)
     ├── TooManyRequests (429) waiting queue full; with Retry-After
     ├── RequestTimeout (504)  the request ran past request_timeout_s; it was aborted
@@ -96,6 +97,11 @@ class Forbidden(APIError):
 
 class NotFound(APIError):
     status = 404
+    type = "invalid_request_error"
+
+
+class Conflict(APIError):
+    status = 409
     type = "invalid_request_error"
 
 

@@ -34,7 +34,7 @@ from memory.decision import usage_bytes
 from memory.fit import FitReport
 from memory.shared import GuardView, SharedCommitments
 from server.engine_config import engine_config
-from server.errors import APIError, InsufficientStorage, NotFound
+from server.errors import APIError, BadRequest, Conflict, InsufficientStorage, NotFound
 from server.model_fit import LoadAdmission, fit_for_settings, fit_json, read_spec
 from server.settings import Settings
 from server.state import ServerState, get_state
@@ -366,6 +366,27 @@ class ModelPool:
             "freeable_bytes": freeable,
             "kept_loaded": held,
         }, headers={"x-should-retry": "false"})
+
+    async def unload_on_request(self, name: str) -> ModelEntry:
+        """DELETE /v1/models/{id}: unload a model loaded on demand (`--allowed-models`).
+        404 for a model this server may not serve, 400 for one it keeps loaded (the
+        `--model`s, pinned ones), 409 while requests use it; unloading an unloaded model
+        is done already."""
+        entry = self.find(name)
+        if entry is None:
+            raise NotFound(f"The model '{name}' does not exist; this server serves "
+                           f"{sorted(self.entries)}", code="model_not_found", param="model")
+        if entry is self.primary or entry.id in self.settings.extra_models or entry.pinned:
+            raise BadRequest(f"The model '{entry.id}' is kept loaded by this server's "
+                             "configuration (--model, --pin); only models loaded on demand "
+                             "can be unloaded", code="model_not_unloadable", param="model")
+        async with self._lock:
+            if entry.state == "loaded":
+                if entry.busy:
+                    raise Conflict(f"The model '{entry.id}' is serving requests; unload it "
+                                   "when they have finished", code="model_in_use", param="model")
+                await self._unload(entry, reason="request")
+        return entry
 
     async def _unload(self, entry: ModelEntry, *, reason: str) -> None:
         """Stop the model's engine; its thread frees the model, collects, synchronizes and

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from server.anthropic import models as anthropic_models
+from server.errors import BadRequest
 from server.model_pool import check_served_model
 from server.state import ServerState, get_state
 
@@ -48,3 +49,19 @@ async def retrieve_model(model: str, request: Request) -> dict[str, Any]:
     if "anthropic-version" in request.headers:
         return anthropic_models.model_card(state)
     return openai_card(state)
+
+
+@router.delete("/v1/models/{model:path}")
+async def delete_model(model: str, request: Request) -> dict[str, Any]:
+    """Unload a model loaded on demand (an admin request when keys are set: server.auth).
+    A server without a model pool has nothing loaded on demand."""
+    state = get_state(request)
+    pool = getattr(request.app.state, "model_pool", None)
+    if pool is None:
+        check_served_model(state, model)  # 404 for a model it does not serve
+        raise BadRequest(f"The model '{model}' is this server's own and stays loaded; start the "
+                         "server with --allowed-models to load and unload models on demand",
+                         code="model_not_unloadable", param="model")
+    entry = await pool.unload_on_request(model)
+    return {"id": entry.id, "object": "model", "deleted": True}
+

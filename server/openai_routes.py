@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from engine import TokenLogprob
 from server import fastjson
 from server.chat_plan import ChatPlan, plan_chat
-from server.errors import APIError, BadRequest
+from server.errors import APIError, BadRequest, NotFound
 from server.generation import ChoiceResult, Generation, gather, prepare
 from server.model_pool import check_served_model, serving_state
 from server.schemas import ChatCompletionRequest, CompletionRequest
@@ -274,6 +274,13 @@ async def chat_completions(
         "choices": [message(c) for c in generation.choices],
         "usage": generation.usage(),
     })
+
+
+@router.get("/v1/chat/completions")
+async def list_stored_chat_completions() -> None:
+    """OpenAI lists stored chat completions here (`store: true`); this server keeps none."""
+    raise NotFound("This server does not store chat completions, so there are none to list; "
+                   "nothing is kept after a response is sent", code="stored_completions_not_kept")
 
 
 @router.post("/v1/completions", response_model=None)

@@ -320,3 +320,47 @@ def test_metrics_count_a_request_running_on_a_model_other_than_the_first(
             long.stop()
     finally:
         assert proc.stop() == 0
+
+
+def test_delete_unloads_a_model_loaded_on_demand_and_nothing_else(models_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    proc = start(models_dir, tmp_path)
+    try:
+        assert complete(proc, "beta").status_code == 200
+        assert "beta" in loaded(proc)
+        r = httpx.delete(f"{proc.url}/v1/models/beta", timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json() == {"id": "beta", "object": "model", "deleted": True}
+        assert "beta" not in loaded(proc)
+        again = httpx.delete(f"{proc.url}/v1/models/beta", timeout=60)
+        assert again.status_code == 200  # unloaded already: done
+
+        unknown = httpx.delete(f"{proc.url}/v1/models/nonesuch", timeout=60)
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+        own = httpx.delete(f"{proc.url}/v1/models/{MODEL}", timeout=60)
+        assert own.status_code == 400 and own.json()["error"]["code"] == "model_not_unloadable"
+
+        assert complete(proc, "gamma").status_code == 200
+        long = LongRequest(proc, "gamma")
+        try:
+            busy = httpx.delete(f"{proc.url}/v1/models/gamma", timeout=60)
+            assert busy.status_code == 409 and busy.json()["error"]["code"] == "model_in_use"
+        finally:
+            long.stop()
+        assert long.status == 200 and long.events  # the request in flight was not disturbed
+    finally:
+        proc.stop()
+
+
+def test_listing_stored_chat_completions_is_a_clear_404(server) -> None:
+    r = httpx.get(f"{server.url}/v1/chat/completions", timeout=30)
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert err["code"] == "stored_completions_not_kept" and "does not store" in err["message"]
+
+
+def test_deleting_the_single_model_is_refused_and_an_unknown_one_is_404(server) -> None:
+    own = httpx.delete(f"{server.url}/v1/models/{MODEL}", timeout=30)
+    assert own.status_code == 400 and own.json()["error"]["code"] == "model_not_unloadable"
+    unknown = httpx.delete(f"{server.url}/v1/models/nonesuch", timeout=30)
+    assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "invalid_request_error"
