@@ -10,11 +10,14 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stderr
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import uvicorn
+if TYPE_CHECKING:
+    from server.http_server import HTTPServer
+    from server.settings import Settings
 
-from server.settings import Settings
+# Only what every subcommand needs is imported here: `serve` on jemalloc re-executes itself
+# first thing, and the settings, uvicorn and the app are imported after that.
 
 # How `serve` exits, in one place (a supervisor acts on these; server.service.fatal):
 EXIT_OK = 0  # a clean stop: SIGTERM drained what was in flight
@@ -29,27 +32,6 @@ EXIT_DOES_NOT_FIT = 4  # load admission: the model does not fit (server.model_fi
 CONFIGURATION_ERRORS = frozenset({EXIT_BAD_SETTINGS, EXIT_STARTUP_FAILED, EXIT_DOES_NOT_FIT})
 LOG_MAX_BYTES = 10 * 1024 * 1024
 LOG_BACKUPS = 3
-
-
-class _Server(uvicorn.Server):
-    """uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, so the process would
-    die of the signal; a service that drained cleanly should exit 0 instead. When the
-    engine dies, `fail` stops it with a non-zero code, so that launchd's KeepAlive or
-    systemd's Restart=on-failure starts a fresh process."""
-
-    exit_code = 0
-
-    def fail(self, exc: BaseException) -> None:
-        print(f"mlx-headroom: the engine died ({type(exc).__name__}: {exc}); exiting with "
-              f"status {EXIT_ENGINE_DIED}", file=sys.stderr)
-        self.exit_code = EXIT_ENGINE_DIED
-        self.should_exit = True
-
-    @contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        with super().capture_signals():
-            yield
-            self._captured_signals.clear()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -171,6 +153,8 @@ _PROCESS_FLAGS = ("command", "env_file", "log_file", "log_max_bytes", "log_backu
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
+    from server.settings import Settings
+
     overrides: dict[str, Any] = {
         k: v for k, v in vars(args).items() if k not in _PROCESS_FLAGS and v is not None
     }
@@ -262,9 +246,12 @@ def main(argv: list[str] | None = None) -> int:
         load_admission = None if tensor_parallel else admit_load(settings)
     except LoadRefused as exc:
         return _stop(fatal_file, exc.exit_code, f"not loading {settings.public_model_name}: {exc}")
-    from server.app import create_app
+    import uvicorn
 
-    servers: list[_Server] = []
+    from server.app import create_app
+    from server.http_server import HTTPServer
+
+    servers: list[HTTPServer] = []
     extra: dict[str, Any] = {}
     if settings.tensor_parallel > 1 or settings.hostfile:
         from engine.distributed import launcher
@@ -275,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         if not rank.leader:
             return rank.follow()
         extra = rank.app_hooks()
-    on_death = extra.pop("on_engine_death", lambda exc: servers[0].fail(exc))
+    on_death = extra.pop("on_engine_death", lambda exc: servers[0].fail(exc, EXIT_ENGINE_DIED))
     app = create_app(settings, load_admission=load_admission, on_engine_death=on_death, **extra)
     config = uvicorn.Config(
         app,
@@ -286,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         access_log=False,
         log_config=None,
     )
-    server = _Server(config)
+    server = HTTPServer(config)
     servers.append(server)
     if extra:
         rank.attach(app, server)
