@@ -119,8 +119,13 @@ def test_the_graph_sees_every_layer() -> None:
 
 
 def test_no_layer_imports_upward() -> None:
-    assert upward_imports(import_graph()) == []
+    bad = upward_imports(import_graph())
+    assert not bad, "imports running up the layers (server -> engine -> memory):\n" + "\n".join(bad)
 
 
 def test_no_import_cycles() -> None:
-    assert cycles(import_graph()) == []
+    graph = import_graph()
+    found = cycles(graph)
+    assert not found, "import circles, each as the imports among its modules:\n" + "\n".join(
+        ", ".join(f"{m} -> {t}" for m in c for t in sorted(graph[m]) if t in c) for c in found
+    )
