@@ -15,8 +15,8 @@ import mlx.core as mx
 from engine.cache_layout import CacheLayout, geometry_for, probe_cache_layout
 from engine.fusion import fuse_projections as fuse
 from engine.kv import KVGeometry
+from engine.named_models import resolve_source
 from engine.quantized import flatten_quantized
-from engine.tiny_model import ensure_default_model
 from memory import ModelGeometry
 
 log = logging.getLogger("mlx_headroom.engine")
@@ -110,13 +110,9 @@ def load_model(
         progress(f"building dummy model {name} (random weights, dtype {dtype or 'default'})")
         dummy = load_dummy_model(model, dtype=dtype)
         source, loaded_model, tokenizer = str(dummy.path), dummy.model, dummy.tokenizer
-    elif model == DEFAULT_MODEL:
-        progress("building the embedded default model (first use only)")
-        source = str(ensure_default_model())
-        name = model_id or "mlx-headroom/tiny-chat"
-    else:
-        source = model
-        name = model_id or model
+    else:  # a named model (tiny, gemma-3-270m, default), a GGUF file, a directory, a hub id
+        source, public = resolve_source(model, progress=progress)
+        name = model_id or public
     if load_format != "dummy":
         progress(f"loading model {name} from {source}")
         loaded_model, tokenizer = mlx_lm.load(source)

@@ -7,6 +7,8 @@ Load admission and ``doctor`` need the weights' bytes before anything large is a
 - a hub id already in the Hugging Face cache: the same, from the cache;
 - a hub id not yet downloaded: ``config.json`` and the headers over HTTP range requests
   (``huggingface_hub.get_safetensors_metadata``), never the weights themselves;
+- a GGUF file (or Gemma 3 270M from its package) not yet converted: the header's tensor
+  shapes in the dtype conversion writes (``engine.gguf``); once converted, its directory;
 - ``--load-format dummy``: the preset's or config's model class built with lazy parameters
   (MLX allocates nothing until evaluated), counted in the dummy dtype.
 """
@@ -18,7 +20,6 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from engine.tiny_model import ensure_default_model
 from memory import ModelGeometry, geometry_from_config
 from memory.fit import ModelSpec
 from memory.weights import (
@@ -44,8 +45,14 @@ def read_model_spec(model: str, *, load_format: str = "auto", dtype: str | None 
     """The spec of what ``load_model(model, load_format=..., dtype=...)`` would load."""
     if load_format == "dummy":
         return _dummy_spec(model, dtype, name or model)
-    if model == "default":
-        return spec_from_directory(ensure_default_model(), name or "mlx-headroom/tiny-chat")
+    from engine.named_models import gguf_header, local_directory, public_name
+
+    ready = local_directory(model)  # a named model or a GGUF already built or converted
+    if ready is not None:
+        return spec_from_directory(ready, name or public_name(model))
+    header = gguf_header(model)  # a GGUF not yet converted: sized from its header
+    if header is not None:
+        return spec_from_gguf(header, name or public_name(model))
     path = Path(model)
     if path.is_dir():
         return spec_from_directory(path, name or model)
@@ -59,6 +66,24 @@ def spec_from_directory(path: Path, name: str) -> ModelSpec:
         raise ModelSpecError(f"{path} holds no .safetensors weight files")
     tensors = [t for shard in shards for t in read_safetensors_tensors(shard)]
     return _spec(name, config, tensors, _context_length(path, config), "safetensors headers")
+
+
+def spec_from_gguf(path: Path, name: str) -> ModelSpec:
+    """What converting the GGUF at ``path`` would load: its header's shapes in the target dtype."""
+    from engine.gguf import GGUFError, mlx_config, open_gguf
+    from engine.gguf.convert import weight_names
+    from engine.named_models import gguf_dtype
+
+    dtype = gguf_dtype()
+    itemsize = _FLOAT_DTYPE_BYTES[dtype]
+    try:
+        g = open_gguf(path, header_only=True)
+        config = mlx_config(g, dtype)
+        tensors = [TensorInfo(hf_name, dtype, g.tensors[n].shape, g.tensors[n].elements * itemsize)
+                   for n, hf_name in weight_names(g).items()]
+    except GGUFError as exc:
+        raise ModelSpecError(str(exc)) from exc
+    return _spec(name, config, tensors, _context_length(None, config), "GGUF header")
 
 
 def read_safetensors_tensors(path: Path) -> list[TensorInfo]:

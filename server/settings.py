@@ -40,7 +40,9 @@ def backend_defaults() -> BackendDefaults:
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MLX_HEADROOM_", env_file=".env", extra="ignore")
 
-    model: str = Field("default", description="mlx-lm model directory, hub id, or 'default'")
+    model: str = Field("default", description="mlx-lm model directory, hub id, .gguf file, 'tiny' "
+                       "(the embedded random model), 'gemma-3-270m', or 'default' (Gemma 3 270M "
+                       "when the [gemma] extra is installed, else tiny)")
     load_format: Literal["auto", "dummy"] = Field(
         "auto", description="'dummy': random weights of a preset's or config.json's shape (`model`)"
     )
@@ -241,4 +243,6 @@ class Settings(BaseSettings):
     def public_model_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
-        return "mlx-headroom/tiny-chat" if self.model == "default" else self.model
+        from engine.named_models import public_name
+
+        return public_name(self.model)

@@ -95,7 +95,7 @@ class _Cursor:
 class GGUFFile:
     """An opened GGUF file: ``architecture``, ``metadata`` and ``tensors`` (by name)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, header_only: bool = False) -> None:
         self.path = Path(path)
         self.size = self.path.stat().st_size
         self._data = np.memmap(self.path, dtype=np.uint8, mode="r") if self.size else np.zeros(0, np.uint8)
@@ -106,7 +106,7 @@ class GGUFFile:
         except (EOFError, struct.error, ValueError, UnicodeDecodeError) as exc:
             raise GGUFError(f"{self.path}: the GGUF header cannot be read (truncated or "
                             f"corrupted?): {exc}") from exc
-        for t in self.tensors.values():
+        for t in () if header_only else self.tensors.values():
             if t.offset + t.nbytes > self.size:
                 raise GGUFError(f"{self.path} is truncated: tensor {t.name} ends at byte "
                                 f"{t.offset + t.nbytes:,}, the file has {self.size:,}")
@@ -204,8 +204,9 @@ _DECODERS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 }
 
 
-def open_gguf(path: str | Path) -> GGUFFile:
+def open_gguf(path: str | Path, *, header_only: bool = False) -> GGUFFile:
+    """The file opened; ``header_only``: its tensors' data may be missing (sizing only)."""
     path = Path(path)
     if not path.is_file():
         raise GGUFError(f"{path} is not a file")
-    return GGUFFile(path)
+    return GGUFFile(path, header_only=header_only)

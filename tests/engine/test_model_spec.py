@@ -17,8 +17,8 @@ from memory.weights import Quantization
 
 
 def test_the_default_model_is_sized_exactly_from_its_headers() -> None:
-    spec = read_model_spec("default")
-    loaded = load_model("default")
+    spec = read_model_spec("tiny")
+    loaded = load_model("tiny")
     assert spec.weights_source == "safetensors headers"
     assert spec.weight_bytes == loaded.weight_bytes
     assert spec.geometry == loaded.geometry
@@ -41,7 +41,7 @@ def test_a_dummy_preset_is_sized_from_its_config_without_building_it(dtype: str 
 def test_a_quantized_model_is_sized_at_its_packed_size(tmp_path: Path) -> None:
     from mlx_lm.utils import quantize_model, save_config, save_model
 
-    source = load_model("default", fuse_projections=False)  # saved below under mlx-lm's own names
+    source = load_model("tiny", fuse_projections=False)  # saved below under mlx-lm's own names
     config = json.loads((Path(source.path) / "config.json").read_text())
     model, config = quantize_model(source.model, config, group_size=64, bits=4)
     out = tmp_path / "tiny-4bit"
