@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import MODEL
+from tests.conftest import MODEL, ServerProcess
 
 CORPUS = sorted((Path(__file__).parent / "codex_corpus").glob("*.json"))
 FIRST_TURN = json.loads((Path(__file__).parent / "codex_corpus" / "first_turn.json").read_text())
@@ -144,3 +144,66 @@ def test_only_a_prompt_that_does_not_fit_is_refused_with_its_size(server):
     error = r.json()["error"]
     assert error["code"] == "context_length_exceeded"
     assert "8200" in error["message"] and "8192" in error["message"]
+
+
+def test_the_openai_sdk_reads_namespaced_and_custom_calls(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    mode = {"type": "custom", "name": "set_mode",
+            "format": {"type": "grammar", "syntax": "regex", "definition": "(fast|slow)"}}
+    tools = [*copy.deepcopy(FIRST_TURN["tools"]), mode]
+    for choice, kind in (({"type": "custom", "name": "set_mode"}, "custom_tool_call"),
+                         ({"type": "function", "name": "search_docs"}, "function_call")):
+        with client.responses.stream(model=MODEL, input="go", tools=tools, tool_choice=choice,
+                                     parallel_tool_calls=False, max_output_tokens=300) as s:
+            for _ in s:
+                pass
+            final = s.get_final_response()
+        call = final.output[0]
+        assert final.status == "completed" and call.type == kind
+        if kind == "custom_tool_call":
+            assert call.input in ("fast", "slow")
+        else:
+            assert (call.name, call.namespace) == ("search_docs", "mcp__docs__")
+
+
+# The stream starts at once (no hold for admission, a heartbeat every millisecond), and the
+# fifth decode step raises: the failure arrives after response.created.
+FAILING_AFTER_START = """
+import sys
+import engine.core as core
+import server.responses.routes as routes
+
+routes.HOLD_S, routes.HEARTBEAT_S = 0.0, 0.001
+decode = core.EngineCore._decode
+steps = [0]
+
+def failing_decode(self):
+    if len(self.batch):
+        steps[0] += 1
+        if steps[0] >= 5:
+            raise RuntimeError("injected engine bug")
+    return decode(self)
+
+core.EngineCore._decode = failing_decode
+from server.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_an_error_after_the_stream_started_is_response_failed(tiny_model_path, tmp_path):
+    proc = ServerProcess(tiny_model_path, python_args=["-c", FAILING_AFTER_START]).start(tmp_path)
+    try:
+        with httpx.stream("POST", proc.url + "/v1/responses", timeout=60, json={
+                "model": MODEL, "input": "Hi", "stream": True, "max_output_tokens": 50}) as r:
+            assert r.status_code == 200
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    finally:
+        proc.stop()
+    assert events[0]["type"] == "response.created"
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    failed = events[-1]
+    assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+    error = failed["response"]["error"]
+    assert error["code"] == "server_error" and "injected engine bug" in error["message"]
