@@ -41,6 +41,10 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
+class PortTaken(RuntimeError):
+    """The server could not bind its port: something else took it first."""
+
+
 @dataclass
 class ServerProcess:
     """`mlx-headroom serve` in a child process; `url` is ready once started."""
@@ -59,6 +63,16 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, log_dir: Path, timeout: float = 60.0) -> ServerProcess:
+        for _ in range(3):
+            try:
+                return self._start(log_dir, timeout)
+            except PortTaken:
+                # free_port's port was taken by another process (a parallel worker's
+                # server) between the probe and the bind: try another one.
+                self.port = free_port()
+        return self._start(log_dir, timeout)
+
+    def _start(self, log_dir: Path, timeout: float) -> ServerProcess:
         env = {**os.environ, "MLX_HEADROOM_LOG_LEVEL": "info", **self.env}
         self.log_path = log_dir / f"server-{self.port}.log"
         cmd = [sys.executable, *self.python_args, "serve", "--model", str(self.model),
@@ -69,6 +83,8 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if "address already in use" in self.log().lower():
+                    raise PortTaken(self.port)
                 raise RuntimeError(f"server exited early:\n{self.log()}")
             try:
                 if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
@@ -116,6 +132,63 @@ def start_server(tiny_model_path: Path, tmp_path: Path) -> Iterator[object]:
     yield start
     for proc in started:
         proc.stop()
+
+
+ALLOCATOR = ["--memory-probe", "allocator"]
+"""Usage is MLX's own allocator count, exact: a custom ceiling a little above it simulates a
+small machine."""
+SMALL_MACHINE_ENV = {"MLX_HEADROOM_PREFIX_CACHE_BYTES": "0"}
+"""The shared small-machine servers keep no prefix: what one test left cached would be
+memory the guard could free for the next one, where a fresh server has none."""
+
+
+def reset_guard(proc: ServerProcess) -> ServerProcess:
+    """Bring a shared server back to how it started: nothing in flight, nothing committed,
+    the guard on at its default tier (which drops a custom ceiling, and with it MLX's cache
+    limit)."""
+
+    def settled() -> bool:
+        m = httpx.get(proc.url + "/v1/memory", timeout=10).json()
+        q = m["queue"]
+        return q["waiting"] + q["prefilling"] + q["running"] == 0 and m["committed_bytes"] == 0
+
+    wait_until(settled)
+    r = httpx.put(proc.url + "/v1/memory-guard", json={"enabled": True, "tier": "balanced"})
+    assert r.json() == {"enabled": True, "tier": "balanced", "ceiling_bytes": None}, r.text
+    return proc
+
+
+@pytest.fixture(scope="session")
+def _small_machine(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[ServerProcess]:
+    env = {**SMALL_MACHINE_ENV, "MLX_HEADROOM_MEMORY_WAIT_TIMEOUT_S": "120"}
+    proc = ServerProcess(tiny_model_path, env=env, args=ALLOCATOR).start(
+        tmp_path_factory.mktemp("small-machine"))
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def small_machine(_small_machine: ServerProcess) -> ServerProcess:
+    """One `--memory-probe allocator` server shared by the tests that set a custom ceiling
+    on it, reset before each; a request that has to wait for memory waits up to 120 s."""
+    return reset_guard(_small_machine)
+
+
+@pytest.fixture(scope="session")
+def _small_machine_short_wait(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
+                              ) -> Iterator[ServerProcess]:
+    env = {**SMALL_MACHINE_ENV, "MLX_HEADROOM_MEMORY_WAIT_TIMEOUT_S": "0.3"}
+    proc = ServerProcess(tiny_model_path, env=env, args=ALLOCATOR).start(
+        tmp_path_factory.mktemp("small-machine-short-wait"))
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def small_machine_short_wait(_small_machine_short_wait: ServerProcess) -> ServerProcess:
+    """As `small_machine`, but a request that has to wait for memory gives up after 0.3 s."""
+    return reset_guard(_small_machine_short_wait)
 
 
 MODEL = "mlx-headroom/tiny-chat"

@@ -148,9 +148,9 @@ def test_header_and_guard_fields_exist(server):
         assert field in guard and f"g.{field}" in JS
 
 
-def test_the_guard_changes_the_js_sends(start_server):
+def test_the_guard_changes_the_js_sends(small_machine):
     """The three PUT bodies the page sends are accepted, and a bad one gives error.message."""
-    url = start_server().url + "/v1/memory-guard"
+    url = small_machine.url + "/v1/memory-guard"
     r = httpx.put(url, json={"enabled": False})
     assert r.status_code == 200 and r.json()["enabled"] is False
     r = httpx.put(url, json={"tier": "safe"})

@@ -38,9 +38,9 @@ def test_the_choice_is_read_from_the_command_line_before_the_environment() -> No
     assert early_choice(["serve", "--port", "1"], {}) == "auto"
 
 
-def test_the_server_runs_on_jemalloc_in_its_own_process(start_server) -> None:
+def test_the_server_runs_on_jemalloc_in_its_own_process(server) -> None:
     assert find_jemalloc() is not None, "libjemalloc2 is not installed (.ci/run installs it)"
-    srv = start_server()
+    srv = server  # the shared server runs on the defaults
     assert httpx.get(srv.url + "/v1/version").json()["malloc"] == "jemalloc"
     assert _mapped(srv.proc.pid)  # the process the test started is the one serving
     assert "memory allocator: jemalloc" in srv.log()

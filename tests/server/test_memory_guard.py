@@ -14,12 +14,11 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import wait_until
+from tests.conftest import ALLOCATOR, wait_until
 
 MODEL = "mlx-headroom/tiny-chat"
 KV_PER_TOKEN = 2048
 MiB = 1 << 20
-ALLOCATOR = ["--memory-probe", "allocator"]
 
 
 def reservation(tokens: int) -> int:
@@ -53,6 +52,12 @@ def complete(url: str, prompt: str, max_tokens: int = 1, **extra) -> httpx.Respo
     return httpx.post(f"{url}/v1/completions", timeout=120,
                       json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
                             "temperature": 0, **extra})
+
+
+def decisions_since(url: str, since: float) -> list[dict]:
+    """The guard's decisions from `since` (time.time()) on: a shared server keeps earlier
+    tests' decisions too."""
+    return [d for d in mem(url)["decisions"] if d["at"] >= since]
 
 
 def idle(url: str) -> bool:
@@ -105,8 +110,9 @@ def assert_507(r: httpx.Response, code: str | None = None) -> dict:
     return err
 
 
-def test_never_fits_is_507_fast_while_a_stream_finishes(start_server):
-    proc = start_server(args=ALLOCATOR)
+def test_never_fits_is_507_fast_while_a_stream_finishes(small_machine):
+    proc = small_machine
+    since = time.time()
     reference = complete(proc.url, "hello there", max_tokens=300).json()["choices"][0]["text"]
     stream = StreamInBackground(proc.url, "hello there", 300)
     assert stream.started.wait(60)
@@ -124,12 +130,11 @@ def test_never_fits_is_507_fast_while_a_stream_finishes(start_server):
     assert stream.status == 200
     assert stream.finish == "length"
     assert stream.text == reference
-    outcomes = [d["outcome"] for d in mem(proc.url)["decisions"]]
-    assert "reject" in outcomes
+    assert "reject" in [d["outcome"] for d in decisions_since(proc.url, since)]
 
 
-def test_refused_stream_gets_a_real_507_status(start_server):
-    proc = start_server(args=ALLOCATOR)
+def test_refused_stream_gets_a_real_507_status(small_machine):
+    proc = small_machine
     set_ceiling_above_usage(proc.url, 2 * MiB)
     r = httpx.post(f"{proc.url}/v1/chat/completions", timeout=60, json={
         "model": MODEL, "stream": True, "max_tokens": 10,
@@ -183,19 +188,20 @@ def _two_requests_that_fit_one_at_a_time(proc) -> tuple[StreamInBackground, http
     return first, second
 
 
-def test_request_waits_for_memory_then_succeeds(start_server):
-    proc = start_server(args=ALLOCATOR, env={"MLX_HEADROOM_MEMORY_WAIT_TIMEOUT_S": "120"})
+def test_request_waits_for_memory_then_succeeds(small_machine):
+    proc = small_machine  # waits for memory up to 120 s
+    since = time.time()
     first, second = _two_requests_that_fit_one_at_a_time(proc)
     done_at = time.monotonic()
     first.join()
     assert second.status_code == 200, second.text
     assert second.json()["usage"]["completion_tokens"] == 1500
     assert first.finish == "length" and first.finished_at <= done_at
-    assert any(d["outcome"] == "wait" for d in mem(proc.url)["decisions"])
+    assert any(d["outcome"] == "wait" for d in decisions_since(proc.url, since))
 
 
-def test_wait_that_times_out_is_507_with_retry_after(start_server):
-    proc = start_server(args=ALLOCATOR, env={"MLX_HEADROOM_MEMORY_WAIT_TIMEOUT_S": "0.3"})
+def test_wait_that_times_out_is_507_with_retry_after(small_machine_short_wait):
+    proc = small_machine_short_wait
     first, second = _two_requests_that_fit_one_at_a_time(proc)
     err = assert_507(second, "memory_wait_timeout")
     assert int(second.headers["retry-after"]) >= 1
@@ -205,8 +211,8 @@ def test_wait_that_times_out_is_507_with_retry_after(start_server):
     assert first.finish == "length"
 
 
-def test_guard_switches_at_runtime(start_server):
-    proc = start_server(args=ALLOCATOR)
+def test_guard_switches_at_runtime(small_machine):
+    proc = small_machine
     assert guard(proc.url).json() == {"enabled": True, "tier": "balanced", "ceiling_bytes": None}
     set_ceiling_above_usage(proc.url, 1 * MiB)
     assert_507(complete(proc.url, "z" * 2000))
@@ -246,8 +252,8 @@ def test_prefill_chunk_shrinks_under_pressure_instead_of_refusing(start_server):
     assert chunks > 2  # 2048 + 951 without shrinking
 
 
-def test_committed_bytes_return_to_zero_and_decode_stays_within_reservation(start_server):
-    proc = start_server(args=ALLOCATOR)
+def test_committed_bytes_return_to_zero_and_decode_stays_within_reservation(small_machine):
+    proc = small_machine
     weights = live_bytes(proc.url)
     streams = [StreamInBackground(proc.url, f"request {i}", 400) for i in range(3)]
     for s in streams:

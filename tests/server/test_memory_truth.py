@@ -61,8 +61,8 @@ def cache_limit(url: str) -> int:
     return int(mem(url)["allocator"]["cache_limit_bytes"])
 
 
-def test_mlx_cache_limit_follows_the_ceiling(start_server):
-    proc = start_server(args=ALLOCATOR)
+def test_mlx_cache_limit_follows_the_ceiling(small_machine):
+    proc = small_machine
     # MLX's CPU default, never raised: a balanced ceiling leaves far more room than that.
     assert cache_limit(proc.url) == MLX_CPU_DEFAULT_CACHE_LIMIT
 
@@ -107,8 +107,8 @@ def test_memory_view_names_its_source_and_reports_the_peak(start_server):
     assert after["engine"]["peak_bytes"] == after["allocator"]["peak_bytes"]
 
 
-def test_a_guard_update_reaches_the_engine_even_when_idle(start_server):
-    proc = start_server(args=ALLOCATOR)
+def test_a_guard_update_reaches_the_engine_even_when_idle(small_machine):
+    proc = small_machine
     live = live_bytes(proc.url)
     r = httpx.put(f"{proc.url}/v1/memory-guard", json={"ceiling_bytes": live + 3 * MiB})
     assert r.status_code == 200, r.text

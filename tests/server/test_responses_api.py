@@ -135,10 +135,10 @@ def test_previous_response_id_continues_a_stored_response_and_unknown_ids_are_re
         assert err.value.body["param"] == "previous_response_id"
 
 
-def test_a_refused_stream_is_a_real_507_before_any_event(start_server):
-    from tests.server.test_memory_guard import ALLOCATOR, MiB, assert_507, set_ceiling_above_usage
+def test_a_refused_stream_is_a_real_507_before_any_event(small_machine):
+    from tests.server.test_memory_guard import MiB, assert_507, set_ceiling_above_usage
 
-    proc = start_server(args=ALLOCATOR)
+    proc = small_machine
     set_ceiling_above_usage(proc.url, 2 * MiB)
     r = httpx.post(f"{proc.url}/v1/responses", timeout=60, json={
         "model": MODEL, "stream": True, "max_output_tokens": 10, "input": "y" * 3000})
