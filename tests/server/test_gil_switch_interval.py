@@ -6,8 +6,6 @@ it reads back, so the log says what the process really runs with."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import httpx
 import pytest
@@ -33,15 +31,16 @@ def test_the_server_runs_with_the_interval_it_was_given(start_server) -> None:  
     assert r.status_code == 200, r.text
 
 
-def test_the_default_is_one_millisecond_and_the_environment_sets_it_too(start_server) -> None:  # type: ignore[no-untyped-def]
-    assert _logged_interval_ms(start_server().log()) == [1.0]
+def test_the_default_is_one_millisecond_and_the_environment_sets_it_too(server, start_server) -> None:  # type: ignore[no-untyped-def]
+    assert _logged_interval_ms(server.log()) == [1.0]  # the shared server runs on the defaults
     from_env = start_server(env={"MLX_HEADROOM_GIL_SWITCH_INTERVAL_MS": "2.5"})
     assert _logged_interval_ms(from_env.log()) == [2.5]
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "500"])
-def test_an_interval_out_of_range_is_refused_before_loading(value: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--gil-switch-interval-ms", value],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2
-    assert "gil_switch_interval_ms" in done.stderr
+def test_an_interval_out_of_range_is_refused_before_loading(
+        value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from server.cli import main
+
+    assert main(["serve", "--gil-switch-interval-ms", value]) == 2
+    assert "gil_switch_interval_ms" in capsys.readouterr().err

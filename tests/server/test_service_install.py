@@ -1,4 +1,6 @@
-"""`mlx-headroom service install | uninstall | status`: the real CLI in a real process.
+"""`mlx-headroom service install | uninstall | status | logs`: the real CLI, through its own
+function in this process, and in a real process where it replaces itself (`logs` execs `tail`
+or `journalctl`).
 
 launchctl, systemctl and journalctl cannot run here, so the tests put recording stand-ins for them
 first on PATH (they log their arguments and print what the real tool prints for
@@ -9,6 +11,7 @@ serve a chat completion with the key from the 0600 environment file.
 
 from __future__ import annotations
 
+import io
 import os
 import plistlib
 import shlex
@@ -17,7 +20,9 @@ import signal
 import stat
 import subprocess
 import sys
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
+from unittest import mock
 
 import httpx
 import pytest
@@ -51,11 +56,28 @@ class Env:
             path.chmod(0o755)
         self.extra: dict[str, str] = {}
 
+    def environ(self) -> dict[str, str]:
+        return {"HOME": str(self.home), "PATH": f"{self.bin}:{os.environ['PATH']}",
+                "CALLS": str(self.calls), "PYTHONPATH": str(ROOT), **self.extra}
+
     def run(self, *args: str) -> subprocess.CompletedProcess[str]:
-        env = {**os.environ, "HOME": str(self.home), "PATH": f"{self.bin}:{os.environ['PATH']}",
-               "CALLS": str(self.calls), "PYTHONPATH": str(ROOT), **self.extra}
+        """`mlx-headroom service ARGS` through `server.cli.main`, with this Env's variables
+        (the stand-ins it runs see them too) and its output captured."""
+        from server.cli import main
+
+        out, err = io.StringIO(), io.StringIO()
+        with mock.patch.dict(os.environ, self.environ()), redirect_stdout(out), redirect_stderr(err):
+            try:
+                code = main(["service", *args])
+            except SystemExit as exc:  # argparse's usage errors
+                code = exc.code if isinstance(exc.code, int) else 2
+        return subprocess.CompletedProcess(["service", *args], code, out.getvalue(), err.getvalue())
+
+    def run_process(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """The same command in its own process: for `logs`, which execs its tool."""
         return subprocess.run([sys.executable, "-m", "server.cli", "service", *args], cwd=ROOT,
-                              env=env, capture_output=True, text=True, timeout=60)
+                              env={**os.environ, **self.environ()}, capture_output=True, text=True,
+                              timeout=60)
 
     def tool_calls(self) -> list[str]:
         return self.calls.read_text().splitlines() if self.calls.exists() else []
@@ -148,9 +170,9 @@ def test_status_and_logs(env):
     log = env.home / "Library/Logs/mlx-headroom/server.log"
     log.parent.mkdir(parents=True)
     log.write_text("one\ntwo\nthree\n")
-    r = env.run("logs", "--manager", "launchd", "-n", "2")
+    r = env.run_process("logs", "--manager", "launchd", "-n", "2")
     assert r.returncode == 0 and r.stdout == "two\nthree\n"
-    r = env.run("logs", "--manager", "systemd", "-n", "5")
+    r = env.run_process("logs", "--manager", "systemd", "-n", "5")
     assert r.returncode == 0 and env.tool_calls() == ["journalctl --user -u mlx-headroom.service -n 5"]
 
 
