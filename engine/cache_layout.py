@@ -83,11 +83,15 @@ class CacheLayout:
     entries: int  # len(make_prompt_cache(model)): CacheList children count once here
     vocab_size: int
     dtype: mx.Dtype
+    model_layers: int = 0  # len(model.layers): more than `entries` when layers reuse others' KV
 
     @property
     def plain_kv(self) -> bool:
-        """Every entry a plain full `KVCache`, keys and values of one shape: the paged store."""
+        """Every entry a plain full `KVCache`, keys and values of one shape, one per layer
+        (no layer reading another's cache, as afm7's KV-reuse layers do): the paged store."""
         if not self.layers or len(self.layers) != self.entries:
+            return False
+        if self.model_layers and self.model_layers != self.entries:
             return False
         first = self.layers[0]
         return all(
@@ -164,10 +168,43 @@ def probe_cache_layout(model: Any, *, weights_loaded: bool = False) -> CacheLayo
         caches = make_prompt_cache(model)
         logits = model(tokens, cache=caches)
         mx.eval(logits, [c.state for c in caches])
+    growing = _growing_states(model, caches)
     layers: list[LayerCache] = []
     for cache in caches:
-        layers.extend(_read(cache))
-    return CacheLayout(tuple(layers), len(caches), int(logits.shape[-1]), _dtype_of(caches, logits))
+        layers.extend(_read(cache, growing))
+    model_layers = getattr(model, "layers", None)
+    return CacheLayout(
+        tuple(layers), len(caches), int(logits.shape[-1]), _dtype_of(caches, logits),
+        model_layers=len(model_layers) if isinstance(model_layers, list) else len(caches),
+    )
+
+
+def _growing_states(model: Any, caches: list[Any]) -> set[int]:
+    """Ids of `ArraysCache`s whose arrays change shape when one more token runs (an n-gram
+    context, not a fixed state): mlx-lm's `extend` cannot join rows of unequal shapes."""
+    from mlx_lm.models.cache import ArraysCache
+
+    def shapes() -> dict[int, list[tuple[int, ...]]]:
+        return {id(c): [tuple(a.shape) for a in c.cache if a is not None]
+                for c in _leaf_caches(caches) if isinstance(c, ArraysCache)}
+
+    before = shapes()
+    if not before:
+        return set()
+    try:
+        model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)
+    except Exception:
+        return set()
+    return {k for k, v in shapes().items() if v != before[k]}
+
+
+def _leaf_caches(caches: list[Any]) -> list[Any]:
+    from mlx_lm.models.cache import CacheList
+
+    out: list[Any] = []
+    for c in caches:
+        out.extend(_leaf_caches(list(c.caches)) if isinstance(c, CacheList) else [c])
+    return out
 
 
 _HOST_READS = (".tolist()", ".item()", "mx.eval(")
@@ -192,7 +229,7 @@ def _host_reader(model: Any) -> str | None:
     return None
 
 
-def _read(cache: Any) -> list[LayerCache]:
+def _read(cache: Any, growing: set[int]) -> list[LayerCache]:
     from mlx_lm.models.cache import (
         ArraysCache,
         CacheList,
@@ -205,10 +242,10 @@ def _read(cache: Any) -> list[LayerCache]:
     name = type(cache).__name__
     mergeable = hasattr(type(cache), "merge")
     if isinstance(cache, CacheList):
-        return [c for child in cache.caches for c in _read(child)]
+        return [c for child in cache.caches for c in _read(child, growing)]
     if isinstance(cache, ArraysCache):
         fixed = sum(a.nbytes for a in cache.cache if a is not None)
-        return [LayerCache(STATE, name, fixed_bytes=fixed, mergeable=mergeable)]
+        return [LayerCache(STATE, name, fixed_bytes=fixed, mergeable=id(cache) not in growing)]
     if isinstance(cache, QuantizedKVCache):
         per_token = sum(_per_token(a) for a in _arrays(cache.keys) + _arrays(cache.values))
         return [LayerCache(QUANTIZED, name, bytes_per_token=per_token, mergeable=mergeable)]
@@ -276,7 +313,8 @@ def geometry_for(model: Any, layout: CacheLayout, dtype_bytes: int | None = None
 
 
 def _geometry_from_probe(model: Any, layout: CacheLayout, dtype_bytes: int | None) -> ModelGeometry:
-    args = vars(getattr(model, "args", None) or object())
+    args = getattr(model, "args", None)
+    args = vars(args) if hasattr(args, "__dict__") else dict(args) if isinstance(args, dict) else {}
     text = args.get("text_config")
     if text is not None and not isinstance(text, dict):
         text = vars(text)
