@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.app import engine_config
+from server.engine_config import engine_config
 from server.model_fit import engine_params
 from server.settings import Settings
 
