@@ -1,5 +1,6 @@
 """Tensor-parallel serving on MLX's distributed engine (`mx.distributed`, `mlx.launch`).
 
+- `config`: what the group needs to know, as values the server fills from its settings;
 - `launcher`: `serve --tensor-parallel N` starts the ranks through `mlx.launch`;
 - `rank`: rank 0 under the HTTP server, the others following it;
 - `lockstep`: the step plan, shared admission decisions and agreed tokens;
