@@ -24,6 +24,8 @@ import pytest
 
 from tests.conftest import MODEL, ServerProcess, free_port, wait_until
 
+pytestmark = pytest.mark.slow  # several processes per test
+
 MiB = 1 << 20
 PROMPT = "The quick brown fox"
 

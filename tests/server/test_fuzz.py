@@ -24,6 +24,8 @@ MODEL = "mlx-headroom/tiny-chat"
 MAX_EXAMPLES = 25  # per operation and generation mode
 DESIGNED_5XX = {503, 504, 507, 529}  # engine unavailable, request deadline, the memory guard
 
+pytestmark = pytest.mark.slow  # fuzzing: hundreds of generated requests
+
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_model_path, tmp_path_factory):

@@ -284,6 +284,7 @@ def test_committed_bytes_return_to_zero_and_decode_stays_within_reservation(smal
     assert m["committed_bytes"] == 0 and m["kv_bytes"] == 0
 
 
+@pytest.mark.slow  # an overload: eight prompts where three fit
 def test_more_long_prompts_than_fit_all_complete(start_server):
     """Prompts that each fit alone but not together are all answered, none refused: they
     take turns (waiting, and preempting a queued prefill when nothing else would free

@@ -9,6 +9,7 @@ holds 2 KiB of KV per token.
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from tests.conftest import wait_until
 from tests.server.test_memory_guard import (
@@ -25,6 +26,7 @@ from tests.server.test_memory_guard import (
 MLX_CPU_DEFAULT_CACHE_LIMIT = 32 * MiB
 
 
+@pytest.mark.slow  # an overload: a burst of eight, then a long prompt
 def test_a_long_prompt_that_fits_alone_is_admitted_after_a_burst_not_refused(start_server):
     """A burst of short requests is finishing when a long prompt arrives. The long prompt
     fits the ceiling alone (about 15 MiB of its 48 MiB), so it must wait for the burst and

@@ -31,6 +31,8 @@ MAX_EXAMPLES = {"POST /chat/completions": 40, "POST /completions": 30, "GET /mod
 STREAM_SCHEMAS = {"/chat/completions": "CreateChatCompletionStreamResponse",
                   "/completions": "CreateCompletionResponse"}
 
+pytestmark = pytest.mark.slow  # fuzzing against the OpenAI spec: a hundred generated requests
+
 
 @pytest.fixture(scope="module")
 def spec() -> dict:

@@ -10,6 +10,7 @@ import signal
 import time
 
 import httpx
+import pytest
 
 from tests.conftest import MODEL, ServerProcess, wait_until
 
@@ -147,6 +148,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow  # finalizes three million objects on purpose
 def test_sigterm_exits_zero_when_the_engine_threads_exit_is_slow(tiny_model_path, tmp_path):
     proc = ServerProcess(tiny_model_path, python_args=["-c", SLOW_THREAD_EXIT]).start(tmp_path)
     r = httpx.post(f"{proc.url}/v1/chat/completions", timeout=60,

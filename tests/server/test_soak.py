@@ -6,7 +6,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow  # a soak: mixed clients for a fixed time
 
 
 def test_short_soak_leaves_nothing_behind(tmp_path):
