@@ -98,9 +98,9 @@ def _byte_level_bpe(g: GGUFFile, tokens: list[str]) -> Any:
     if split is None:
         raise GGUFError(f"{g.path}: byte-level pre-tokenizer {pre!r} is not known to the converter "
                         f"(known: {', '.join(sorted(PRE_TOKENIZER_SPLITS))})")
-    merges_raw = g.metadata.get("tokenizer.ggml.merges")
+    merges_raw = g.metadata.get("tokenizer.ggml.merges", [])  # none: every token is one byte
     if not isinstance(merges_raw, list):
-        raise GGUFError(f"{g.path}: a byte-level vocabulary without tokenizer.ggml.merges")
+        raise GGUFError(f"{g.path}: tokenizer.ggml.merges is not a list of strings")
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)

@@ -196,6 +196,93 @@ def test_admission_sizes_a_gguf_before_converting_it(gemma_gguf: Path, gemma_dir
     assert [p.name for p in gguf_cache.iterdir()] == [gemma_dir.name]  # sizing converted nothing
 
 
+def _tiny_llama_gguf(path: Path, *, arch: str = "llama", iq_tensor: bool = False) -> Path:
+    """The embedded tiny model written as llama.cpp writes a Llama GGUF: q/k rows permuted for
+    its interleaved RoPE, a byte-level (gpt2) vocabulary, float32 tensors."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from engine.tiny_model import SPECIAL_TOKENS, build_tiny_model, tokenizer_json
+
+    tiny = build_tiny_model(path.parent / "tiny")
+    cfg = json.loads((tiny / "config.json").read_text())
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    def permute(w: Any, n: int) -> Any:
+        return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    vocab = tokenizer_json()["model"]["vocab"]
+    assert isinstance(vocab, dict)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("llama-bpe")
+    w.add_token_list([*sorted(vocab, key=vocab.__getitem__), *SPECIAL_TOKENS])
+    w.add_token_types([1] * len(vocab) + [3] * len(SPECIAL_TOKENS))
+    w.add_eos_token_id(len(vocab) + SPECIAL_TOKENS.index("<|im_end|>"))
+    w.add_add_bos_token(False)
+    glob = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    part = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+            "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+            "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+            "post_attention_layernorm": "ffn_norm"}
+    for key, a in load_file(str(tiny / "model.safetensors")).items():
+        stem = key.removesuffix(".weight")
+        if stem in glob:
+            name = glob[stem] + ".weight"
+        else:
+            layer, rest = stem.removeprefix("model.layers.").split(".", 1)
+            name = f"blk.{layer}.{part[rest]}.weight"
+        if name.endswith("attn_q.weight"):
+            a = permute(a, heads)
+        elif name.endswith("attn_k.weight"):
+            a = permute(a, kv_heads)
+        if iq_tensor and name == "blk.0.ffn_down.weight":  # rows of 256: one IQ2_XXS block each
+            qtype = gguf.GGMLQuantizationType.IQ2_XXS
+            w.add_tensor(name, np.zeros((a.shape[0], gguf.GGML_QUANT_SIZES[qtype][1]), np.uint8),
+                         raw_dtype=qtype)
+            continue
+        w.add_tensor(name, np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return tiny
+
+
+def test_a_llama_gguf_converts_to_the_model_it_came_from(tmp_path: Path, gguf_cache: Path) -> None:
+    import mlx_lm
+
+    tiny = _tiny_llama_gguf(tmp_path / "tiny-llama.gguf")
+    converted = ensure_converted(tmp_path / "tiny-llama.gguf", dtype="float32", progress=lambda _: None)
+    source, source_tok = mlx_lm.load(str(tiny))
+    model, tokenizer = mlx_lm.load(str(converted))
+    for text in ("hello world", "h\u00e9llo <|im_start|>user\n x<|im_end|>", "  spaces\t tabs 123456"):
+        assert tokenizer.encode(text) == source_tok.encode(text), text
+    x = mx.array(source_tok.encode("hello world, a test of the tiny model"))[None]
+    assert mx.array_equal(model(x), source(x))  # q/k permuted back: else off by ~60
+    assert tokenizer.eos_token_ids == source_tok.eos_token_ids
+
+
+def test_an_architecture_or_tensor_type_it_cannot_convert_is_named(tmp_path: Path, gguf_cache: Path) -> None:
+    before = sorted(p.name for p in gguf_cache.iterdir())
+    _tiny_llama_gguf(tmp_path / "mamba.gguf", arch="mamba")
+    with pytest.raises(GGUFError, match=r"architecture 'mamba' cannot be converted \(supported: gemma3, "):
+        ensure_converted(tmp_path / "mamba.gguf", dtype="float32", progress=lambda _: None)
+    _tiny_llama_gguf(tmp_path / "iq.gguf", iq_tensor=True)
+    with pytest.raises(GGUFError, match=r"tensor type\(s\) IQ2_XXS cannot be converted"):
+        ensure_converted(tmp_path / "iq.gguf", dtype="float32", progress=lambda _: None)
+    assert sorted(p.name for p in gguf_cache.iterdir()) == before
+
+
 class _SentencePiece:
     """llama.cpp's SPM tokenizer (``llm_tokenizer_spm``), ported: user-defined tokens are cut
     out of the text first (longest first), spaces become ``▁``, then the adjacent pair whose
