@@ -32,9 +32,19 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 
 
 def doctor(*args: str) -> tuple[int, dict[str, Any]]:
+    """`doctor --json` in its own process: its allocator probe counts only its own arrays."""
     out = cli("doctor", "--json", *args)
     assert out.stdout, out.stderr
     return out.returncode, json.loads(out.stdout)
+
+
+def doctor_here(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """The command's own function in this process, for what does not read the allocator."""
+    from server.cli import main
+
+    capsys.readouterr()
+    code = main(["doctor", *args])
+    return code, capsys.readouterr().out
 
 
 def test_a_model_whose_reserve_exceeds_the_ceiling_is_refused_at_start_up(tmp_path: Path) -> None:
@@ -86,9 +96,10 @@ def test_force_load_starts_and_says_the_reserve_is_not_met(tmp_path: Path) -> No
 
 
 def test_doctor_reports_this_machine_and_serve_agrees_on_its_ceiling(
-    server: ServerProcess, tiny_model_path: Path
+    server: ServerProcess, tiny_model_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    rc, report = doctor("--model", str(tiny_model_path))
+    rc, out = doctor_here(capsys, "--json", "--model", str(tiny_model_path))
+    report = json.loads(out)
     assert rc == 0 and report["ok"], report["problems"]
     assert report["backend"]["name"] == "cpu"
     assert all(p["ok"] for p in report["probes"].values())
@@ -104,9 +115,9 @@ def test_doctor_reports_this_machine_and_serve_agrees_on_its_ceiling(
     assert [c["prompt_tokens"] for c in fit["concurrency"]] == [1024, 8192, 32768]
     assert fit["concurrency"][0]["requests"] > 0
     assert served["model"]["reserve_met"] is True and served["model"]["forced"] is False
-    text = cli("doctor", "--model", str(tiny_model_path))
-    assert text.returncode == 0
-    assert "longest prompt at concurrency 1" in text.stdout and "binds" in text.stdout
+    rc, text = doctor_here(capsys, "--model", str(tiny_model_path))
+    assert rc == 0
+    assert "longest prompt at concurrency 1" in text and "binds" in text
 
 
 @pytest.mark.parametrize("budget", [[], ["--max-step-tokens", "2048"]], ids=["one-chunk", "four-chunks"])
@@ -143,12 +154,15 @@ def test_doctor_longest_prompt_is_what_admission_admits(
         proc.stop()
 
 
-def test_doctor_fails_when_the_model_cannot_fit_at_all_or_a_probe_fails(tiny_model_path: Path) -> None:
-    rc, report = doctor("--model", str(tiny_model_path), *simulated(2_000_000))
+def test_doctor_fails_when_the_model_cannot_fit_at_all_or_a_probe_fails(
+        tiny_model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out = doctor_here(capsys, "--json", "--model", str(tiny_model_path), *simulated(2_000_000))
+    report = json.loads(out)
     assert rc == 1 and not report["ok"]
     assert report["model"]["fit"]["fits_at_all"] is False
     assert any("cannot fit at all" in p for p in report["problems"])
-    rc, report = doctor("--memory-probe", "macos")  # not a Mac: the configured probe fails
+    rc, out = doctor_here(capsys, "--json", "--memory-probe", "macos")  # not a Mac: the probe fails
+    report = json.loads(out)
     assert rc == 1
     assert report["probes"]["macos"]["ok"] is False
     assert any("probe 'macos' failed" in p for p in report["problems"])
