@@ -65,7 +65,8 @@ class CompiledDecode:
         (g,) = plan.groups
         geo = self.store.geometry
         key = (g.segment.id, inputs.shape[0], g.table.shape[1],
-               *decode_graph_key(g, self.q_heads, geo.head_dim, geo.num_kv_heads, plan.block_size))
+               *decode_graph_key(g, self.q_heads, geo.head_dim, geo.num_kv_heads, plan.block_size,
+                                 geo.kv_bits is not None))
         self._streak = self._streak + 1 if key == self._last else 1
         self._last = key
         fn = self.graphs.get(key)
@@ -90,13 +91,13 @@ class CompiledDecode:
         """The step as a function of arrays only. `max_length` reaches the graph only
         through the graph key, so any step with this key may replay it. The closure holds
         no segment: a kept graph must not keep a released segment's arrays alive."""
-        model, layers = self.model, self.store.geometry.num_layers
+        model, layers, quant = self.model, self.store.geometry.num_layers, self.store.geometry.quant
 
         def forward(tokens: mx.array, write: mx.array, table: mx.array, lengths: mx.array,
                     offsets: mx.array, *pool: mx.array) -> tuple[mx.array, ...]:
             traced = _Pool(list(pool[:layers]), list(pool[layers:]))
             group = DecodeGroup(traced, None, write, table, lengths, max_length)  # type: ignore[arg-type]
-            caches = decode_caches(DecodePlan([group], offsets, None, block_size), layers)
+            caches = decode_caches(DecodePlan([group], offsets, None, block_size, quant), layers)
             logits = model(tokens[:, None], cache=caches)[:, -1, :]
             return (logits, *traced.keys, *traced.values)
 

@@ -22,7 +22,7 @@ from engine.compiled_decode import CompiledDecode
 from engine.dense import DenseRunner, DenseStore
 from engine.device_errors import is_out_of_memory
 from engine.errors import EngineStepError, InsufficientMemoryError, MemoryProbeUnavailableError
-from engine.kv import KVStore, install_attention_hook
+from engine.kv import KVGeometry, KVStore, install_attention_hook
 from engine.kv.store import default_segment_tokens
 from engine.loader import LoadedModel, device_memory_bytes, on_cuda_by_default
 from engine.prefix_cache import PrefixCache, PrefixCacheStats
@@ -78,6 +78,10 @@ class EngineConfig:
     # The GIL's switch interval while the engine runs (engine.client): the engine thread and
     # the event loop hand the GIL back and forth every step.
     gil_switch_interval_s: float = 0.001
+    # Quantized KV (engine.kv.quant): the store holds keys and values as `kv_bits`-bit values
+    # with a scale and a bias per `kv_group_size` along head_dim. None: the model's dtype.
+    kv_bits: int | None = None
+    kv_group_size: int = 64
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,16 @@ class _Call:
     done: Callable[[Any, BaseException | None], None]
 
 
+def quantized_kv(loaded: LoadedModel, config: EngineConfig) -> KVGeometry | None:
+    """The paged store's geometry with the configured KV quantization (None: the model is
+    not served by the paged store). The store refuses bits or a group size that do not fit
+    the heads (`engine.kv.quant.KVQuant`)."""
+    kv = loaded.kv_geometry()
+    if kv is None or config.kv_bits is None:
+        return kv
+    return dataclasses.replace(kv, kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
+
+
 class EngineCore:
     def __init__(
         self,
@@ -160,7 +174,7 @@ class EngineCore:
         self.publish = publish
         # The paged store takes plain attention through mlx-lm's shared function; every
         # other cache kind is served through mlx-lm's own caches (engine.dense).
-        kv = loaded.kv_geometry()
+        kv = quantized_kv(loaded, config)
         self.store: KVStore | DenseStore
         if kv is not None and install_attention_hook(self.model):
             segment_tokens = config.kv_segment_tokens
@@ -169,11 +183,16 @@ class EngineCore:
                                                         device_memory_bytes())
             self.store = KVStore(kv, block_size=config.kv_block_size, segment_tokens=segment_tokens)
         else:
+            if config.kv_bits is not None:
+                raise ValueError(f"quantized KV needs the paged KV store, and {loaded.model_id}'s "
+                                 "caches are served through mlx-lm's own (engine.dense)")
             layout = loaded.cache_layout()
             self.store = DenseStore(self.model, layout, chunk_tokens=config.prefill_step_size)
             log.info("serving %s through mlx-lm's own caches: %s", loaded.model_id, layout.describe())
         self.admission = admission_cls(
-            guard, loaded.geometry, self.store, backend=loaded.backend,
+            guard, dataclasses.replace(loaded.geometry, kv_bits=config.kv_bits,
+                                       kv_group_size=config.kv_group_size),
+            self.store, backend=loaded.backend,
             min_chunk_tokens=config.min_chunk_tokens, weight_bytes=loaded.weight_bytes,
         )
         self.prefix_cache = PrefixCache(

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 KV_STEP = 256
-KV_QUANT_GROUP = 64  # mlx-lm's QuantizedKVCache default group size
+KV_QUANT_GROUP = 64  # the default group size of quantized KV (mlx-lm's and the engine's)
 BACKENDS = ("cpu", "metal", "cuda")
 METAL_FUSED_HEAD_DIMS = frozenset({64, 72, 80, 96, 128, 192, 256})
 SCORE_BYTES = 4  # attention scores and softmax run in float32
@@ -63,6 +63,7 @@ class ModelGeometry:
     vocab_size: int
     dtype_bytes: int = 2  # bytes per activation/KV element (float32 → 4, bf16/fp16 → 2)
     kv_bits: int | None = None  # quantized KV; None = dtype
+    kv_group_size: int = KV_QUANT_GROUP  # elements per scale and bias of quantized KV
     # Read from the model's own cache objects (the engine's probe) where its caches do not
     # follow the config's heads and dims: MLA's latent, models without attention keys.
     measured_kv_bytes_per_token: int | None = None
@@ -72,7 +73,8 @@ class ModelGeometry:
         """2 (K and V) × layers × KV heads × head dim × bytes per element, unless measured.
 
         With quantized KV, elements take ``kv_bits/8`` bytes plus a scale and a bias (in the
-        activation dtype) per group of 64.
+        activation dtype) per group of ``kv_group_size`` along head_dim: the engine's store
+        holds exactly that per token (``engine.kv.quant``).
         """
         if self.measured_kv_bytes_per_token is not None and self.kv_bits is None:
             return self.measured_kv_bytes_per_token
@@ -80,7 +82,7 @@ class ModelGeometry:
         if self.kv_bits is None:
             return elements * self.dtype_bytes
         packed = math.ceil(elements * self.kv_bits / 8)
-        groups = 2 * self.num_layers * self.num_kv_heads * math.ceil(self.head_dim / KV_QUANT_GROUP)
+        groups = 2 * self.num_layers * self.num_kv_heads * math.ceil(self.head_dim / self.kv_group_size)
         return packed + groups * 2 * self.dtype_bytes
 
 
@@ -206,13 +208,12 @@ class PrefillEstimate:
 def fused_attention_available(geometry: ModelGeometry, backend: str) -> bool:
     """Whether prefill attention avoids materialising the score matrix on ``backend``.
 
-    Quantized KV goes through mlx-lm's quantized attention, which is never fused.
-    Padded batches with array masks may still fall off the fused path: measure.
+    Quantized KV is decoded to the model's dtype before the ordinary SDPA (the engine's
+    store, ``engine.kv.quant``), so it takes the same path. Padded batches with array masks
+    may still fall off the fused path: measure.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
-    if geometry.kv_bits is not None:
-        return False
     if backend == "metal":
         return geometry.head_dim in METAL_FUSED_HEAD_DIMS
     if backend == "cuda":
@@ -259,6 +260,8 @@ def estimate_prefill(
         attention = 2 * scores + mask + qo
     if masked:
         attention += b * c * span * (dt + 1)  # the additive mask and its boolean source
+    if g.kv_bits is not None:
+        attention += b * span * per_token_layer  # the gathered packed rows, before decoding
 
     # Activations for C tokens.
     hidden = 4 * b * c * g.hidden_size * dt

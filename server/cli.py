@@ -82,6 +82,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=None,
                        help="one matmul for q/k/v and one for gate/up per layer, fused at load "
                        "(default on)")
+    serve.add_argument("--kv-bits", type=int, choices=[4, 8],
+                       help="hold keys and values quantized to 8 or 4 bits (with a scale and a bias "
+                       "per --kv-group-size values); the guard counts the quantized size "
+                       "(default: the model's dtype)")
+    serve.add_argument("--kv-group-size", type=int, choices=[32, 64, 128],
+                       help="values per scale and bias of quantized KV (default 64; must divide "
+                       "the model's head_dim)")
     serve.add_argument("--gil-switch-interval-ms", type=float,
                        help="how long a thread waiting for Python's GIL waits before the holder is made "
                        "to let go, while the engine runs (sys.setswitchinterval; default 1)")

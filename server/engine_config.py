@@ -24,6 +24,8 @@ def engine_config(settings: Settings) -> EngineConfig:
         slice_decode=settings.slice_decode,
         warm_up=settings.warm_up,
         gil_switch_interval_s=settings.gil_switch_interval_ms / 1000,
+        kv_bits=settings.kv_bits,
+        kv_group_size=settings.kv_group_size,
     )
 
 

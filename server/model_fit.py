@@ -8,7 +8,7 @@ same settings, probe and ceiling, so what ``doctor`` promises is what ``serve`` 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from memory import Ceiling, CeilingConfig, MemorySnapshot, Probe, Tier, compute_ceiling, detect_probe
@@ -76,12 +76,18 @@ def ceiling_for(settings: Settings, snapshot: MemorySnapshot) -> Ceiling:
 
 
 def read_spec(settings: Settings, model: str | None = None) -> ModelSpec:
+    """The model as the engine will serve it: its KV quantized as the settings say, so
+    that load admission counts the bytes the engine's store will hold."""
     from engine.model_spec import read_model_spec
 
-    return read_model_spec(
+    spec = read_model_spec(
         model or settings.model, load_format=settings.load_format, dtype=settings.dtype,
         name=settings.public_model_name if model is None else model,
     )
+    if settings.kv_bits is None:
+        return spec
+    geometry = replace(spec.geometry, kv_bits=settings.kv_bits, kv_group_size=settings.kv_group_size)
+    return replace(spec, geometry=geometry)
 
 
 def fit_for_settings(

@@ -92,6 +92,13 @@ class Settings(BaseSettings):
     fuse_projections: bool = Field(
         True, description="one matmul for q/k/v and one for gate/up per layer, fused at load (engine.fusion)"
     )
+    kv_bits: Literal[4, 8] | None = Field(
+        None, description="quantize the KV store to 8 or 4 bits per value, with a scale and a bias "
+        "per kv_group_size values of a head (engine.kv.quant; None: the model's dtype)",
+    )
+    kv_group_size: Literal[32, 64, 128] = Field(
+        64, description="values per scale and bias of quantized KV; must divide the model's head_dim",
+    )
     gil_switch_interval_ms: float = Field(
         1.0, gt=0, le=100,
         description="Python's thread switch interval while the engine runs (sys.setswitchinterval), "

@@ -13,7 +13,9 @@ masked `mx.fast.scaled_dot_product_attention`. A group of one row on consecutive
 (planned so by `DecodeTables(runs=True)`) is one unmasked SDPA over a slice of the pool
 (`run_decode`). The fallback serves the CPU and Metal
 (no Metal kernel ships yet), CUDA shapes the kernel does not take (head_dim not a multiple
-of 32), and is the reference the kernel is tested against.
+of 32), and is the reference the kernel is tested against. Quantized KV
+(`engine.kv.quant`) always takes the plain path (or the slice): its gathered rows are
+decoded to the queries' dtype before the SDPA; the kernel reads only unquantized rows.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import mlx.core as mx
 
 from engine.kv.cache import DecodeCache, DecodeGroup
 from engine.kv.cuda_decode import paged_decode, partition_split
+from engine.kv.quant import KVQuant
 
 _ORIGINAL: Callable[..., mx.array] | None = None  # mlx-lm's, looked up by `_original`
 _kernel_enabled: bool | None = None
@@ -65,57 +68,66 @@ def decode_attention(queries: mx.array, cache: DecodeCache, scale: float) -> mx.
     outs = []
     for g in plan.groups:
         q = queries if g.rows is None else queries[g.rows]
-        outs.append(_attend_group(q, g, cache.layer, scale, plan.block_size))
+        outs.append(_attend_group(q, g, cache.layer, scale, plan.block_size, plan.quant))
     if plan.order is None:
         return outs[0]
     return mx.concatenate(outs, axis=0)[plan.order]
 
 
-def _attend_group(q: mx.array, g: DecodeGroup, layer: int, scale: float, block_size: int) -> mx.array:
+def _attend_group(q: mx.array, g: DecodeGroup, layer: int, scale: float, block_size: int,
+                  quant: KVQuant | None) -> mx.array:
     keys, values = g.segment.keys[layer], g.segment.values[layer]
     if g.run_start is not None:
-        return run_decode(q, keys, values, g.run_start, g.max_length, scale)
+        return run_decode(q, keys, values, g.run_start, g.max_length, scale, quant)
     if g.kernel is None:  # decided once per step: every layer has the same shapes
-        g.kernel = _takes_kernel(q.shape[1], q.shape[-1], keys.shape[1])
+        g.kernel = _takes_kernel(q.shape[1], q.shape[-1], keys.shape[1], quant is not None)
     if g.kernel:
         return paged_decode(q, keys, values, g.table, g.lengths, g.max_length, scale, block_size)
-    return plain_decode(q, keys, values, g, scale, block_size)
+    return plain_decode(q, keys, values, g, scale, block_size, quant)
 
 
-def _takes_kernel(q_heads: int, head_dim: int, kv_heads: int) -> bool:
-    return kernel_active() and head_dim % 32 == 0 and q_heads % kv_heads == 0
+def _takes_kernel(q_heads: int, head_dim: int, kv_heads: int, quantized: bool = False) -> bool:
+    """The CUDA kernel reads rows of the model's dtype: quantized KV takes the plain path."""
+    return kernel_active() and not quantized and head_dim % 32 == 0 and q_heads % kv_heads == 0
 
 
 def decode_graph_key(g: DecodeGroup, q_heads: int, head_dim: int, kv_heads: int,
-                     block_size: int) -> tuple[int, ...]:
+                     block_size: int, quantized: bool = False) -> tuple[int, ...]:
     """What a group's attention graph depends on besides its arrays' shapes: two steps
     with equal keys (and equal shapes) build the same graph, so a traced step
     (`engine.compiled_decode`) may replay it. Each path's use of `max_length` goes through
     the same function here as in the path itself."""
-    if _takes_kernel(q_heads, head_dim, kv_heads):
+    if _takes_kernel(q_heads, head_dim, kv_heads, quantized):
         return (1, *partition_split(g.write.shape[0], kv_heads, g.max_length))
     return (0, g.plain_blocks(block_size))
 
 
 def plain_decode(
-    q: mx.array, keys: mx.array, values: mx.array, g: DecodeGroup, scale: float, block_size: int
+    q: mx.array, keys: mx.array, values: mx.array, g: DecodeGroup, scale: float, block_size: int,
+    quant: KVQuant | None = None,
 ) -> mx.array:
-    """Gather this group's slots of one layer, then one masked SDPA (CPU, Metal, reference)."""
-    slots, heads, dim = keys.shape
+    """Gather this group's slots of one layer (decoding quantized rows to the queries'
+    dtype), then one masked SDPA (CPU, Metal, quantized KV, the kernel's reference)."""
+    slots, heads, width = keys.shape
     read, mask = g.plain_indices(block_size, heads, q.dtype)
-    k = keys.reshape(slots * heads, dim)[read]  # [Bg, H, L, D]
-    v = values.reshape(slots * heads, dim)[read]
+    k = keys.reshape(slots * heads, width)[read]  # [Bg, H, L, D]
+    v = values.reshape(slots * heads, width)[read]
+    if quant is not None:
+        k, v = quant.decode(k), quant.decode(v)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
 def run_decode(q: mx.array, keys: mx.array, values: mx.array, start: int, length: int,
-               scale: float) -> mx.array:
+               scale: float, quant: KVQuant | None = None) -> mx.array:
     """One row whose K/V sit in consecutive slots: SDPA over a strided view of the pool,
     no gather and no mask, so MLX takes its fused decode kernel (on CUDA, `sdpa_vector`,
     which reads any strides; the bare model's step uses it too). The view's length is the
-    row's, so each step is a new shape: such a step is never traced (engine.compiled_decode)."""
+    row's, so each step is a new shape: such a step is never traced (engine.compiled_decode).
+    Quantized rows are decoded from the view: one contiguous transient of the row's K/V."""
     k = keys[start : start + length].transpose(1, 0, 2)[None]  # [1, H, L, D], a view
     v = values[start : start + length].transpose(1, 0, 2)[None]
+    if quant is not None:
+        k, v = quant.decode(k), quant.decode(v)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
 
 

@@ -7,7 +7,9 @@ cache=cache, ...)``. These objects keep that contract:
 - `PrefillCache` (one request, a chunk of T tokens): writes the chunk into the request's
   blocks and returns that request's own K/V gathered contiguous in SDPA's [1, H, L, D]
   layout, so the model's ordinary (fused where available) causal attention runs on it.
-  Only this request's memory moves, one layer at a time.
+  Only this request's memory moves, one layer at a time. With quantized KV the chunk is
+  quantized as it is written, and what comes back is decoded to the model's dtype: the
+  chunk attends to exactly the K/V that later decode steps will read.
 - `DecodeCache` (the batch, one token per row): writes each row's token into its own
   block, returns its inputs untouched, and answers attention itself through the rebound
   `scaled_dot_product_attention` (`engine.kv.attention`), which reads the pool through
@@ -25,29 +27,31 @@ import numpy as np
 
 from engine.kv.device_vectors import device_vector
 from engine.kv.masks import additive_mask
+from engine.kv.quant import KVQuant
 from engine.kv.store import Allocation, KVStore, Segment, slots_of
 
 
 class PrefillCache:
-    def __init__(self, segment: Segment, layer: int, offset: int, write: mx.array, read: mx.array) -> None:
+    def __init__(self, segment: Segment, layer: int, offset: int, write: mx.array, read: mx.array,
+                 quant: KVQuant | None = None) -> None:
         self.segment = segment
         self.layer = layer
         self.offset = offset
         self._write = write
         self._read = read
+        self._quant = quant
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         k = keys[0].transpose(1, 0, 2)  # [T, H, D]
         v = values[0].transpose(1, 0, 2)
-        seg, layer = self.segment, self.layer
-        seg.keys[layer][self._write] = k
-        seg.values[layer][self._write] = v
+        seg, layer, quant = self.segment, self.layer, self._quant
+        seg.keys[layer][self._write] = k if quant is None else quant.encode(k)
+        seg.values[layer][self._write] = v if quant is None else quant.encode(v)
         self.offset += keys.shape[2]
-        slots, heads, dim = seg.keys[layer].shape
-        return (
-            seg.keys[layer].reshape(slots * heads, dim)[self._read][None],
-            seg.values[layer].reshape(slots * heads, dim)[self._read][None],
-        )
+        slots, heads, width = seg.keys[layer].shape
+        k = seg.keys[layer].reshape(slots * heads, width)[self._read][None]
+        v = seg.values[layer].reshape(slots * heads, width)[self._read][None]
+        return (k, v) if quant is None else (quant.decode(k), quant.decode(v))
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
         from mlx_lm.models.cache import create_attention_mask  # loaded with the model
@@ -67,7 +71,7 @@ def prefill_caches(store: KVStore, alloc: Allocation, tokens: int) -> list[Prefi
         heads, dtype=mx.int32
     )[:, None]
     return [
-        PrefillCache(alloc.segment, layer, start, write, read)
+        PrefillCache(alloc.segment, layer, start, write, read, store.geometry.quant)
         for layer in range(store.geometry.num_layers)
     ]
 
@@ -118,6 +122,7 @@ class DecodePlan:
     offsets: mx.array  # [B] position of each row's new token
     order: mx.array | None  # undoes the grouping of rows; None when there is one group
     block_size: int
+    quant: KVQuant | None = None  # the pool's rows are quantized (engine.kv.quant)
 
 
 @dataclass(frozen=True)
@@ -173,7 +178,7 @@ class DecodeTables:
                 table=t.table_array, lengths=device_vector(pos + 1), max_length=int(pos.max()) + 1,
                 run_start=None if t.run_block is None or not self.runs else t.run_block * bs,
             ))
-        return DecodePlan(groups, device_vector(positions), self._order, bs)
+        return DecodePlan(groups, device_vector(positions), self._order, bs, store.geometry.quant)
 
     def _build(self, allocs: list[Allocation]) -> None:
         by_segment: dict[int, list[int]] = {}
@@ -228,8 +233,12 @@ class DecodeCache:
         self.offset = plan.offsets
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        k_all, v_all = keys[:, :, 0, :], values[:, :, 0, :]
+        quant = self.plan.quant
+        if quant is not None:
+            k_all, v_all = quant.encode(k_all), quant.encode(v_all)
         for g in self.plan.groups:
-            k, v = keys[:, :, 0, :], values[:, :, 0, :]
+            k, v = k_all, v_all
             if g.rows is not None:
                 k, v = k[g.rows], v[g.rows]
             g.segment.keys[self.layer][g.write] = k

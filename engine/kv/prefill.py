@@ -5,10 +5,11 @@ Rows are right-padded to the longest chunk of the call: ``tokens`` is ``[B, T]``
 ``starts[b]``. Per layer, `BatchPrefillCache`
 
 - writes only the real tokens into each row's own blocks (one scatter: padded positions
-  never touch the pool, so a row whose reservation ends at its chunk is safe);
+  never touch the pool, so a row whose reservation ends at its chunk is safe), quantized
+  first where the store's KV is (`engine.kv.quant`);
 - returns every row's K/V gathered from position 0 up to its chunk's end, in SDPA's
   ``[B, H, L, D]`` layout (L = the longest row's end; shorter rows read their first slot
-  as filler, masked out);
+  as filler, masked out), decoded to the model's dtype where the KV is quantized;
 - supplies a per-row mask (row b's query t sees keys ``j <= starts[b] + t`` that are
   real) and per-row RoPE offsets (``starts``), which `mx.fast.rope` takes as an array.
   When every row has the same start and length (no padding), the mask is SDPA's
@@ -30,6 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.kv.masks import additive_mask
+from engine.kv.quant import KVQuant
 from engine.kv.store import Allocation, KVStore, Segment
 
 
@@ -49,7 +51,8 @@ class PrefillPlan:
     valid: mx.array  # [N] int32: real tokens' indices into the flattened [B × T]
     write: mx.array  # [N] int32: their slots in the segment
     read: mx.array  # [B, H, L] int32: rows of the pool seen as [slots × H, D]
-    mask: mx.array | str  # [B, 1, T, L] additive, the pool's dtype; "causal" when every row is the same shape
+    mask: mx.array | str  # [B, 1, T, L] additive, model's dtype; "causal" when every row is the same shape
+    quant: KVQuant | None = None  # the pool's rows are quantized (engine.kv.quant)
 
 
 def plan_prefill(store: KVStore, rows: Seq[PrefillRow]) -> PrefillPlan:
@@ -88,7 +91,7 @@ def plan_prefill(store: KVStore, rows: Seq[PrefillRow]) -> PrefillPlan:
         q = np.arange(t)[None, :, None]
         k = np.arange(width)[None, None, :]
         allowed = mx.array(((k <= starts[:, None, None] + q) & (k < ends[:, None, None]))[:, None, :, :])
-        mask = additive_mask(allowed, segment.keys[0].dtype)
+        mask = additive_mask(allowed, store.geometry.dtype)
     return PrefillPlan(
         segment=segment,
         inputs=mx.array(inputs),
@@ -97,6 +100,7 @@ def plan_prefill(store: KVStore, rows: Seq[PrefillRow]) -> PrefillPlan:
         write=mx.array(np.concatenate(write).astype(np.int32)),
         read=mx.array(read.astype(np.int32)),
         mask=mask,
+        quant=store.geometry.quant,
     )
 
 
@@ -117,16 +121,15 @@ class BatchPrefillCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         b, heads, t, dim = keys.shape
-        plan, seg, layer = self.plan, self.plan.segment, self.layer
+        plan, seg, layer, quant = self.plan, self.plan.segment, self.layer, self.plan.quant
         k = keys.transpose(0, 2, 1, 3).reshape(b * t, heads, dim)[plan.valid]
         v = values.transpose(0, 2, 1, 3).reshape(b * t, heads, dim)[plan.valid]
-        seg.keys[layer][plan.write] = k
-        seg.values[layer][plan.write] = v
-        slots = seg.keys[layer].shape[0]
-        return (
-            seg.keys[layer].reshape(slots * heads, dim)[plan.read],
-            seg.values[layer].reshape(slots * heads, dim)[plan.read],
-        )
+        seg.keys[layer][plan.write] = k if quant is None else quant.encode(k)
+        seg.values[layer][plan.write] = v if quant is None else quant.encode(v)
+        slots, _, width = seg.keys[layer].shape
+        k = seg.keys[layer].reshape(slots * heads, width)[plan.read]
+        v = seg.values[layer].reshape(slots * heads, width)[plan.read]
+        return (k, v) if quant is None else (quant.decode(k), quant.decode(v))
 
     def make_mask(
         self, n: int, return_array: bool = False, window_size: int | None = None

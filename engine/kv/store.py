@@ -5,7 +5,9 @@ Layout. Each *segment* holds, for every layer, one keys and one values array of 
 dim]``, flattened to token slots). A request's *block table* lists the blocks it owns;
 token ``j`` of the request lives in slot ``table[j // block_size] * block_size + j %
 block_size``. All of one request's blocks sit in one segment, so one gather (or one
-kernel launch) per segment serves every row that lives there.
+kernel launch) per segment serves every row that lives there. With quantized KV
+(`KVGeometry.kv_bits`) a slot holds, per head, one uint32 row of packed values with their
+scales and biases (`engine.kv.quant`) instead of ``head_dim`` values of the model's dtype.
 
 Life of a request. Admission reserves ``ceil((prompt + max_tokens) / block_size)``
 blocks, in the first segment with that many free, else in a new segment. The blocks stay
@@ -30,6 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.kv.blocks import BlockAllocator
+from engine.kv.quant import KVQuant
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_SEGMENT_BYTES = 2 << 30
@@ -62,11 +65,28 @@ class KVGeometry:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: mx.Dtype
+    dtype: mx.Dtype  # the model's: what attention reads
+    kv_bits: int | None = None  # quantized KV (engine.kv.quant); None: rows in `dtype`
+    kv_group_size: int = 64
+
+    @property
+    def quant(self) -> KVQuant | None:
+        if self.kv_bits is None:
+            return None
+        return KVQuant(self.kv_bits, self.kv_group_size, self.head_dim, self.dtype)
+
+    @property
+    def row_shape(self) -> tuple[tuple[int, int], mx.Dtype]:
+        """One slot of a segment's layer array: (heads, row width) and the array's dtype."""
+        quant = self.quant
+        if quant is None:
+            return (self.num_kv_heads, self.head_dim), self.dtype
+        return (self.num_kv_heads, quant.row_words), mx.uint32
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.size
+        (heads, width), dtype = self.row_shape
+        return 2 * self.num_layers * heads * width * dtype.size
 
 
 @dataclass(frozen=True)
@@ -95,10 +115,10 @@ class Segment:
     def __init__(self, segment_id: int, num_blocks: int, block_size: int, geo: KVGeometry) -> None:
         self.id = segment_id
         self.blocks = BlockAllocator(num_blocks)
-        slots = num_blocks * block_size
-        shape = (slots, geo.num_kv_heads, geo.head_dim)
-        self.keys: list[mx.array] = [mx.zeros(shape, geo.dtype) for _ in range(geo.num_layers)]
-        self.values: list[mx.array] = [mx.zeros(shape, geo.dtype) for _ in range(geo.num_layers)]
+        row, dtype = geo.row_shape
+        shape = (num_blocks * block_size, *row)
+        self.keys: list[mx.array] = [mx.zeros(shape, dtype) for _ in range(geo.num_layers)]
+        self.values: list[mx.array] = [mx.zeros(shape, dtype) for _ in range(geo.num_layers)]
         mx.eval(self.keys, self.values)
         self.nbytes = sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
 
@@ -260,6 +280,30 @@ class KVStore:
             if sum(1 for b, n in counts.items() if seg.blocks.refs(b) == n) == seg.blocks.used:
                 total += seg.nbytes
         return total
+
+    def cache_only_segments(self, held: dict[int, dict[int, int]]) -> list[tuple[int, int]]:
+        """(id, bytes) of the segments in which every used block is held only by `held`
+        (segment -> block -> holds: the prefix cache's): dropping those holds frees them."""
+        out = []
+        for seg_id, blocks in held.items():
+            seg = self.segments.get(seg_id)
+            if seg is not None and len(blocks) == seg.blocks.used and all(
+                seg.blocks.refs(b) == n for b, n in blocks.items()
+            ):
+                out.append((seg_id, seg.nbytes))
+        return out
+
+    def reusable_blocks(self, segment_id: int, held: dict[int, int]) -> tuple[int, int]:
+        """A segment's free blocks, and how many more dropping the holds `held` (block ->
+        holds) would free."""
+        seg = self.segments.get(segment_id)
+        if seg is None:
+            return 0, 0
+        return seg.blocks.free, sum(1 for b, n in held.items() if seg.blocks.refs(b) == n)
+
+    def free_blocks(self, segment_id: int) -> int:
+        seg = self.segments.get(segment_id)
+        return 0 if seg is None else seg.blocks.free
 
     def stats(self) -> KVStoreStats:
         reserved = self.reserved_bytes()

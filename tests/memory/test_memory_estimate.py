@@ -47,7 +47,13 @@ def test_quantized_kv_is_smaller() -> None:
     # 8-bit: half of bf16 plus a scale and bias (bf16) per 64 elements.
     assert q8.kv_bytes_per_token == 64 * KiB + 2 * 32 * 8 * 2 * 2 * 2
     assert q4.kv_bytes_per_token < q8.kv_bytes_per_token < g.kv_bytes_per_token
-    assert not fused_attention_available(q8, "metal")
+    # group 128: half the scales and biases
+    q8_128 = ModelGeometry(**{**g.__dict__, "kv_bits": 8, "kv_group_size": 128})
+    assert q8_128.kv_bytes_per_token == 64 * KiB + 2 * 32 * 8 * 1 * 2 * 2
+    # the store decodes quantized rows before the ordinary SDPA: fused where that is
+    assert fused_attention_available(q8, "metal")
+    assert estimate_prefill(q8, chunk_tokens=512, context_tokens=0, backend="metal").attention_bytes > (
+        estimate_prefill(g, chunk_tokens=512, context_tokens=0, backend="metal").attention_bytes)
 
 
 @pytest.mark.parametrize(
