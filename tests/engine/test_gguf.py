@@ -196,6 +196,44 @@ def test_admission_sizes_a_gguf_before_converting_it(gemma_gguf: Path, gemma_dir
     assert [p.name for p in gguf_cache.iterdir()] == [gemma_dir.name]  # sizing converted nothing
 
 
+def test_the_server_serves_it_with_mlx_lm_s_tokens_and_perplexity(
+        gemma_dir: Path, mlx_lm_gemma: tuple[Any, Any], tmp_path: Path) -> None:
+    """``--model gemma-3-270m`` through a real server (mlx-lm's own caches: sliding windows):
+    greedy completions alone and batched equal mlx-lm's, and the prompt's logprobs (``echo``)
+    give mlx-lm's perplexity within 1 %."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from tests.conftest import MODEL, ServerProcess
+
+    model, tokenizer = mlx_lm_gemma
+    expected = {p: tokenizer.decode(_greedy(model, tokenizer.encode(p), 6)) for p in PROMPTS}
+    ids = mx.array(tokenizer.encode(PARAGRAPH))[None]
+    nll = nn.losses.cross_entropy(model(ids[:, :-1]).astype(mx.float32), ids[:, 1:], reduction="mean")
+    server = ServerProcess(Path(GEMMA_MODEL)).start(tmp_path, timeout=180)
+    try:
+        def complete(prompt: str, **extra: Any) -> dict[str, Any]:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, **extra}
+            r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=300)
+            assert r.status_code == 200, r.text
+            return dict(r.json())
+
+        for prompt in PROMPTS:
+            assert complete(prompt)["choices"][0]["text"] == expected[prompt], prompt
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            batched = list(pool.map(complete, PROMPTS))
+        assert [b["choices"][0]["text"] for b in batched] == [expected[p] for p in PROMPTS]
+        echoed = complete(PARAGRAPH, max_tokens=1, echo=True, logprobs=0)
+        n = echoed["usage"]["prompt_tokens"]
+        assert n == ids.shape[1]
+        prompt_logprobs = echoed["choices"][0]["logprobs"]["token_logprobs"][1:n]
+        server_nll = -sum(prompt_logprobs) / len(prompt_logprobs)
+        assert math.exp(server_nll) == pytest.approx(math.exp(nll.item()), rel=0.01)
+    finally:
+        server.stop()
+
+
 def _tiny_llama_gguf(path: Path, *, arch: str = "llama", iq_tensor: bool = False) -> Path:
     """The embedded tiny model written as llama.cpp writes a Llama GGUF: q/k rows permuted for
     its interleaved RoPE, a byte-level (gpt2) vocabulary, float32 tensors."""
