@@ -21,7 +21,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from engine.loader import DEFAULT_MODEL, LoadedModel, _context_length, backend_name
+from engine.loader import LoadedModel, _context_length, backend_name
 from memory import ModelGeometry, geometry_from_model
 
 log = logging.getLogger("mlx_headroom.distributed")
@@ -91,13 +91,10 @@ def load_sharded(
         name = model_id or model
         built, tokenizer, path = _dummy(model, dtype, group)
     else:
-        if model == DEFAULT_MODEL:
-            from engine.tiny_model import ensure_default_model
+        from engine.named_models import resolve_source
 
-            source = str(ensure_default_model())
-            name = model_id or "mlx-headroom/tiny-chat"
-        else:
-            source, name = model, model_id or model
+        source, public = resolve_source(model, progress=progress)  # tiny, gemma, a GGUF file...
+        name = model_id or public
         built, tokenizer, path = _from_disk(source, group)
     if not hasattr(built, "shard"):
         raise ValueError(f"{name}: mlx-lm's model class has no shard(); it cannot be split")
