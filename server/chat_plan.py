@@ -1,6 +1,7 @@
 """What a chat-shaped request (OpenAI chat, the Responses API) turns into before it is
 submitted: prompt tokens through the chat template, the tools in play, the grammar that
-forces a call or a response format, and each choice's output parser.
+forces a call or a response format, and each choice's output parser (reasoning apart, then
+tool calls: server/reasoning.py).
 
 Everything that can fail on bad input (the template, the tools, the schema) fails here,
 as a 400, before anything reaches the engine.
@@ -14,6 +15,7 @@ from typing import Any
 
 from engine.grammar import Grammar
 from server.errors import BadRequest
+from server.reasoning import OutputParser, ThinkMarkers, opens_in_reasoning
 from server.state import ServerState
 from server.structured import ProcessorFactory, Shaping, compile_grammar, grammar_compiler
 from server.tools import (
@@ -34,10 +36,13 @@ class ChatPlan:
     tools: list[FunctionTool] = field(default_factory=list)
     syntax: ToolSyntax | None = None  # set when the output is parsed for tool calls
     new_processor: ProcessorFactory = lambda: None
+    markers: ThinkMarkers | None = None  # the model's think markers, when it has them
+    opens_reasoning: bool = False  # the prompt ends inside a thinking block
 
-    def parser(self) -> ToolCallParser | None:
-        """A fresh parser for one choice, or None when tools are not in play."""
-        return ToolCallParser(self.syntax, self.tools) if self.syntax is not None else None
+    def parser(self) -> OutputParser:
+        """A fresh parser for one choice."""
+        tools = ToolCallParser(self.syntax, self.tools) if self.syntax is not None else None
+        return OutputParser(tools, self.markers, reasoning=self.opens_reasoning)
 
 
 async def plan_chat(
@@ -86,4 +91,6 @@ async def plan_chat(
         param = tools_param
     compiled = await compile_grammar(state, grammar, param=param) if grammar is not None else None
     shaping = Shaping(compiled, frequency_penalty, presence_penalty)
-    return ChatPlan(tokens, active, syntax, shaping.factory())
+    markers = ThinkMarkers.for_tokenizer(tokenizer)
+    opens = markers is not None and opens_in_reasoning(tokenizer, tokens)
+    return ChatPlan(tokens, active, syntax, shaping.factory(), markers, opens)

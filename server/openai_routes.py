@@ -17,6 +17,7 @@ from server.chat_plan import ChatPlan, plan_chat
 from server.errors import APIError, BadRequest, NotFound
 from server.generation import ChoiceResult, Generation, gather, prepare
 from server.model_pool import check_served_model, serving_state
+from server.reasoning import ReasoningText
 from server.schemas import ChatCompletionRequest, CompletionRequest
 from server.state import ServerState
 from server.structured import ProcessorFactory, Shaping, check_logit_bias, response_format_grammar
@@ -26,7 +27,6 @@ from server.tools import (
     CallStarted,
     ContentText,
     FunctionTool,
-    ParseEvent,
     ToolCall,
     ToolChoice,
 )
@@ -180,6 +180,13 @@ async def chat_completions(
     tokenizer = state.tokenizer
     parsers = [plan.parser() for _ in generation.choices]
 
+    def usage() -> dict[str, Any]:
+        out = generation.usage()
+        if plan.markers is not None:
+            reasoning = sum(p.reasoning_tokens(tokenizer) for p in parsers)
+            out["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+        return out
+
     def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
         payload: dict[str, Any] = {
             "id": f"chatcmpl-{generation.id}",
@@ -198,23 +205,22 @@ async def chat_completions(
 
         def event(choice: ChoiceResult, delta: TextDelta, finish: str | None) -> bytes:
             parser = parsers[choice.index]
-            if parser is None:
-                events: list[ParseEvent] = [ContentText(delta.text)] if delta.text else []
-            else:
-                piece = parser.feed(delta.text)
-                if finish is not None:
-                    piece.extend(parser.finish())
-                events = piece.events
+            piece = parser.feed(delta.text)
+            if finish is not None:
+                piece.extend(parser.finish())
             logprobs = _chat_logprobs(tokenizer, delta.logprobs) if body.logprobs and delta.logprobs else None
             out = b""
 
             def send(d: dict[str, Any], lp: dict[str, Any] | None = None) -> bytes:
                 return chunk([{"index": choice.index, "delta": d, "logprobs": lp, "finish_reason": None}])
 
-            for item in events:
+            for item in piece.events:
                 # OpenAI's order for a call: id, type and name first, then argument fragments.
                 if isinstance(item, ContentText):
                     out += send({"content": item.text}, logprobs)
+                    logprobs = None
+                elif isinstance(item, ReasoningText):
+                    out += send({"reasoning_content": item.text}, logprobs)
                     logprobs = None
                 elif isinstance(item, CallStarted):
                     calls_sent[choice.index] += 1
@@ -238,7 +244,7 @@ async def chat_completions(
         ])
         wants_usage = bool(body.stream_options and body.stream_options.include_usage)
         return _event_stream(generation, first, event, prelude=role,
-                             usage=(lambda: chunk([], generation.usage())) if wants_usage else None)
+                             usage=(lambda: chunk([], usage())) if wants_usage else None)
 
     try:
         await gather(generation, request)
@@ -247,18 +253,19 @@ async def chat_completions(
 
     def message(c: ChoiceResult) -> dict[str, Any]:
         parser = parsers[c.index]
-        content: str | None = c.text.text
-        msg: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+        piece = parser.feed(c.text.text)
+        piece.extend(parser.finish())
+        calls = piece.calls
+        msg: dict[str, Any] = {"role": "assistant",
+                               "content": piece.text if piece.text or not calls else None,
+                               "refusal": None}
+        if piece.reasoning:
+            msg["reasoning_content"] = piece.reasoning
         finish = c.finish_reason
-        if parser is not None:
-            piece = parser.feed(c.text.text)
-            tail = parser.finish()
-            text, calls = piece.text + tail.text, piece.calls + tail.calls
-            msg["content"] = text if text or not calls else None
-            if calls:
-                msg["tool_calls"] = [_tool_call_json(call) for call in calls]
-                if finish == "stop":
-                    finish = "tool_calls"
+        if calls:
+            msg["tool_calls"] = [_tool_call_json(call) for call in calls]
+            if finish == "stop":
+                finish = "tool_calls"
         return {
             "index": c.index,
             "message": msg,
@@ -272,7 +279,7 @@ async def chat_completions(
         "created": generation.created,
         "model": body.model,
         "choices": [message(c) for c in generation.choices],
-        "usage": generation.usage(),
+        "usage": usage(),
     })
 
 

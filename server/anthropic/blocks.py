@@ -1,4 +1,5 @@
-"""Generated text -> Anthropic content blocks (`text`, `tool_use`), whole or as it streams.
+"""Generated text -> Anthropic content blocks (`thinking`, `text`, `tool_use`), whole or as
+it streams.
 
 The shared parser (server/tools.py) reports what the model writes as ordered events:
 content text, a call's start (id and name), fragments of its arguments' JSON, its end.
@@ -7,6 +8,12 @@ same blocks in the same order: each run of text is a `text` block, each call a `
 block whose input streams as `input_json_delta` fragments while it is generated. The
 fragments joined are the arguments as written, so the SDKs' partial-JSON accumulation
 ends at the whole message's `input`.
+
+The model's thinking (server/reasoning.py) becomes `thinking` blocks, streamed as
+`thinking_delta`s, when the request enabled thinking (`thinking: {"type": "enabled"}` or
+`"adaptive"`); otherwise it is dropped, as Anthropic's models do not think then. A thinking
+block's `signature` is empty: this server signs nothing, and thinking blocks sent back in
+the history are dropped (convert.py).
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ from typing import Any
 
 from pydantic_core import from_json
 
-from server.tools import ArgumentsDelta, CallDone, CallStarted, ContentText, ParseEvent, ToolCallParser
+from server.reasoning import OutputEvent, OutputParser, ReasoningText
+from server.tools import ArgumentsDelta, CallDone, CallStarted, ContentText, ToolCallParser
 
 Event = tuple[str, dict[str, Any]]
 
@@ -36,13 +44,14 @@ def tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def parse_events(parser: ToolCallParser | None, text: str, *, final: bool) -> list[ParseEvent]:
+def parse_events(parser: OutputParser | ToolCallParser | None, text: str, *,
+                 final: bool) -> list[OutputEvent]:
     if parser is None:
         return [ContentText(text)] if text else []
     piece = parser.feed(text)
     if final:
-        piece.extend(parser.finish())
-    return piece.events
+        piece.extend(parser.finish())  # type: ignore[arg-type]
+    return list(piece.events)
 
 
 @dataclass
@@ -52,7 +61,8 @@ class BlockStream:
     `feed` returns (event name, payload) pairs: content_block_start / _delta / _stop.
     """
 
-    parser: ToolCallParser | None
+    parser: OutputParser | ToolCallParser | None
+    thinking: bool = False  # the request enabled thinking: reasoning becomes thinking blocks
     calls: int = 0
     _events: list[Event] = field(default_factory=list)
     _next: int = 0
@@ -62,7 +72,12 @@ class BlockStream:
     def feed(self, text: str, *, final: bool = False) -> list[Event]:
         self._events = []
         for event in parse_events(self.parser, text, final=final):
-            if isinstance(event, ContentText):
+            if isinstance(event, ReasoningText):
+                if self.thinking:
+                    if self._open_kind != "thinking":
+                        self._start({"type": "thinking", "thinking": "", "signature": ""}, "thinking")
+                    self._delta({"type": "thinking_delta", "thinking": event.text})
+            elif isinstance(event, ContentText):
                 if self._open_kind != "text":
                     self._start({"type": "text", "text": ""}, "text")
                 self._delta({"type": "text_delta", "text": event.text})
@@ -109,6 +124,8 @@ def whole_content(events: list[Event]) -> list[dict[str, Any]]:
             delta = data["delta"]
             if delta["type"] == "text_delta":
                 blocks[data["index"]]["text"] += delta["text"]
+            elif delta["type"] == "thinking_delta":
+                blocks[data["index"]]["thinking"] += delta["thinking"]
             else:
                 arguments[data["index"]] = arguments.get(data["index"], "") + delta["partial_json"]
     for index, text in arguments.items():

@@ -116,13 +116,14 @@ async def create_message(body: MessagesRequest, request: Request) -> JSONRespons
         except BaseException:
             generation.close()
             raise
-        return StreamingResponse(message_events(generation, first, body.model, plan.parser()),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(
+            message_events(generation, first, body.model, plan.parser(), thinking=body.thinking_enabled),
+            media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         await gather(generation, request)
     finally:
         generation.close()
-    return JSONResponse(message_body(generation, body.model, plan.parser()))
+    return JSONResponse(message_body(generation, body.model, plan.parser(), thinking=body.thinking_enabled))
 
 
 @router.post("/v1/messages/count_tokens")

@@ -176,7 +176,12 @@ class MessagesRequest(PromptFields):
     top_k: int = Field(0, ge=0)
     metadata: dict[str, Any] | None = None
     stream: bool = False
-    thinking: dict[str, Any] | None = None  # accepted; the served model decides how it thinks
+    thinking: dict[str, Any] | None = None  # the served model decides whether it thinks
+
+    @property
+    def thinking_enabled(self) -> bool:
+        """Whether the client wants the model's thinking as `thinking` blocks."""
+        return isinstance(self.thinking, dict) and self.thinking.get("type") in ("enabled", "adaptive")
 
     @field_validator("stop_sequences")
     @classmethod

@@ -1,11 +1,11 @@
 """A message as Anthropic's server-sent events, each an `event:` line and a `data:` line.
 
 The documented order: `message_start`, a `ping`, then per content block
-`content_block_start`, `content_block_delta`s (`text_delta`, or `input_json_delta` for a
-tool's input) and `content_block_stop`, then `message_delta` with the stop reason and the
-final usage, then `message_stop`. Blocks open as their content arrives (blocks.py), so a
-message that is only a tool call has no empty text block before it, as when whole. An
-error after the 200 has gone out arrives as an `error` event.
+`content_block_start`, `content_block_delta`s (`text_delta`, `thinking_delta`, or
+`input_json_delta` for a tool's input) and `content_block_stop`, then `message_delta` with
+the stop reason and the final usage, then `message_stop`. Blocks open as their content
+arrives (blocks.py), so a message that is only a tool call has no empty text block before
+it, as when whole. An error after the 200 has gone out arrives as an `error` event.
 
 `message_start` carries the whole prompt as `input_tokens`: the prefix cache's share is
 known only when the request finishes, so `message_delta` restates `input_tokens` and
@@ -24,7 +24,7 @@ from server.anthropic.errors import error_body
 from server.anthropic.message import message_shell, stop_fields, usage
 from server.errors import APIError
 from server.generation import Generation
-from server.tools import ToolCallParser
+from server.reasoning import OutputParser
 
 
 def sse(event: str, data: dict[str, Any]) -> bytes:
@@ -39,10 +39,11 @@ async def _events(generation: Generation, first: Any) -> AsyncIterator[Any]:
 
 
 async def message_events(
-    generation: Generation, first: Any, model: str, parser: ToolCallParser | None
+    generation: Generation, first: Any, model: str, parser: OutputParser | None, *,
+    thinking: bool = False,
 ) -> AsyncIterator[bytes]:
     """The events of a generation whose first event (or end) has arrived; closing aborts it."""
-    blocks = BlockStream(parser)
+    blocks = BlockStream(parser, thinking)
     try:
         start = message_shell(generation, model)
         start["usage"] = {**usage(generation), "input_tokens": len(generation.prepared.prompt_tokens),

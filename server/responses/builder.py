@@ -1,6 +1,11 @@
 """The Responses API's output, built as the text arrives: the response object, its output
-items (`message`, `function_call`, `custom_tool_call`), and, for streaming, the documented
-events in order, each numbered with its `sequence_number`.
+items (`reasoning`, `message`, `function_call`, `custom_tool_call`), and, for streaming, the
+documented events in order, each numbered with its `sequence_number`.
+
+The model's thinking (server/reasoning.py) is a `reasoning` item whose `content` is one
+`reasoning_text` part, streamed as `response.reasoning_text.delta` / `.done`; its
+`summary` is empty (this server writes no summaries) and it carries no
+`encrypted_content`.
 
 Generated calls name the request's template functions; `Toolset.ref` turns each back into
 what the client sent: a namespaced function as its bare `name` plus `namespace`, a custom
@@ -11,12 +16,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from server.errors import APIError
+from server.reasoning import OutputParser, ReasoningText
 from server.responses.schemas import ResponsesRequest
 from server.responses.toolset import Toolset, custom_input
-from server.tools import ArgumentsDelta, CallDone, CallStarted, ContentText, ParseEvent, ToolCallParser
+from server.tools import ArgumentsDelta, CallDone, CallStarted, ContentText
 
 
 def _new_id(prefix: str) -> str:
@@ -27,17 +34,20 @@ class ResponseBuilder:
     """The response object and its output items, built as the text arrives; with
     `events` on, also the stream's events in order, numbered."""
 
-    def __init__(self, body: ResponsesRequest, model: str, parser: ToolCallParser | None,
-                 toolset: Toolset | None = None) -> None:
+    def __init__(self, body: ResponsesRequest, model: str, parser: OutputParser | None,
+                 toolset: Toolset | None = None, *,
+                 reasoning_tokens: Callable[[], int] = lambda: 0) -> None:
         self.body = body
         self.model = model
-        self.parser = parser
+        self.parser = parser or OutputParser(None)
         self.toolset = toolset or Toolset()
         self.id = _new_id("resp")
         self.created_at = int(time.time())
         self.output: list[dict[str, Any]] = []
         self.sequence = 0
         self._message: dict[str, Any] | None = None  # the open message item, if any
+        self._reasoning: dict[str, Any] | None = None  # the open reasoning item, if any
+        self._reasoning_tokens = reasoning_tokens
         self._calls: dict[str, dict[str, Any]] = {}  # call items still streaming
         self._custom_arguments: dict[str, str] = {}  # a custom call's JSON arguments so far
         self.status = "in_progress"
@@ -109,15 +119,16 @@ class ResponseBuilder:
                 self._event("response.in_progress", response=self.snapshot())]
 
     def feed(self, text: str, *, final: bool = False) -> list[dict[str, Any]]:
-        if self.parser is None:
-            parsed: list[ParseEvent] = [ContentText(text)] if text else []
-        else:
-            piece = self.parser.feed(text)
-            if final:
-                piece.extend(self.parser.finish())
-            parsed = piece.events
+        piece = self.parser.feed(text)
+        if final:
+            piece.extend(self.parser.finish())
         events: list[dict[str, Any]] = []
-        for item in parsed:
+        for item in piece.events:
+            if isinstance(item, ReasoningText):
+                events += self._close_message()
+                events += self._reasoning_text(item.text)
+                continue
+            events += self._close_reasoning()
             if isinstance(item, ContentText):
                 events += self._text(item.text)
             elif isinstance(item, CallStarted):
@@ -147,6 +158,43 @@ class ResponseBuilder:
                                   output_index=self.output.index(self._message), content_index=0,
                                   delta=text, logprobs=[]))
         return events
+
+    def _reasoning_text(self, text: str) -> list[dict[str, Any]]:
+        events = []
+        item = self._reasoning
+        if item is None:
+            item = {"type": "reasoning", "id": _new_id("rs"), "summary": [], "content": [],
+                    "status": "in_progress"}
+            self._reasoning = item
+            self.output.append(item)
+            index = len(self.output) - 1
+            events.append(self._event("response.output_item.added", output_index=index,
+                                      item={**item, "content": []}))
+            part = {"type": "reasoning_text", "text": ""}
+            item["content"].append(part)
+            events.append(self._event("response.content_part.added", item_id=item["id"],
+                                      output_index=index, content_index=0, part=dict(part)))
+        item["content"][0]["text"] += text
+        events.append(self._event("response.reasoning_text.delta", item_id=item["id"],
+                                  output_index=self.output.index(item), content_index=0, delta=text))
+        return events
+
+    def _close_reasoning(self) -> list[dict[str, Any]]:
+        item = self._reasoning
+        if item is None:
+            return []
+        self._reasoning = None
+        index = self.output.index(item)
+        part = item["content"][0]
+        item["status"] = "completed"
+        return [
+            self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                        content_index=0, text=part["text"]),
+            self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                        content_index=0, part=dict(part)),
+            self._event("response.output_item.done", output_index=index,
+                        item={**item, "content": [dict(part)]}),
+        ]
 
     def _close_message(self) -> list[dict[str, Any]]:
         message = self._message
@@ -233,13 +281,13 @@ class ResponseBuilder:
         return [self._event("response.failed", response=self.snapshot())]
 
     def finish(self, finish_reason: str | None, usage: dict[str, Any]) -> list[dict[str, Any]]:
-        events = self._close_message()
+        events = self._close_reasoning() + self._close_message()
         prompt = usage["prompt_tokens"]
         self.usage = {
             "input_tokens": prompt,
             "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
             "output_tokens": usage["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens()},
             "total_tokens": usage["total_tokens"],
         }
         if finish_reason == "length":

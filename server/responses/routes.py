@@ -139,7 +139,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
     generation = Generation(state.engine, state.tokenizer, prepared,
                             timeout_s=state.settings.request_timeout_s)
     request.state.generation = generation
-    builder = ResponseBuilder(body, body.model, plan.parser(), toolset)
+    parser = plan.parser()
+    builder = ResponseBuilder(body, body.model, parser, toolset,
+                              reasoning_tokens=lambda: parser.reasoning_tokens(state.tokenizer))
 
     def remember() -> None:
         if body.store:

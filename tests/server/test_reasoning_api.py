@@ -1,0 +1,273 @@
+"""Reasoning apart from the answer on all three APIs, streamed and whole, through a real
+server.
+
+The model is the tiny model with `<think>` and `</think>` as added tokens (so mlx-lm's
+tokenizer reports `has_thinking`) and a template that opens the block in its generation
+prompt, as Qwen3's thinking models and the DeepSeek-R1 distills do. Its weights are
+random, so it is wrapped to write a scripted output: each call returns logits that pick
+the script's next token (a prompt starts the script over).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+
+from engine import LoadedModel, load_model
+from engine.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS, TinyModelShape, _config, _weights, tokenizer_json
+from server.app import create_app
+from server.settings import Settings
+from tests.conftest import free_port
+
+MODEL = "tiny-thinker"
+THINK = ("<think>", "</think>")
+EOS = 256 + SPECIAL_TOKENS.index("<|im_end|>")
+VOCAB = 256 + len(SPECIAL_TOKENS) + len(THINK)
+OPEN = "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+TEMPLATE = CHAT_TEMPLATE.replace(OPEN, (
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is not defined or enable_thinking %}{{- '<think>\n' }}{%- endif %}"
+    "{%- endif %}"))
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def build_thinking_model(path: Path) -> Path:
+    """The tiny model's weights and byte tokenizer, with the think markers added."""
+    from safetensors.numpy import save_file
+
+    assert OPEN in CHAT_TEMPLATE
+    path.mkdir(parents=True)
+    shape = TinyModelShape()
+    save_file(_weights(shape, VOCAB), str(path / "model.safetensors"))
+    tok = tokenizer_json()
+    for i, marker in enumerate(THINK):
+        tok["added_tokens"].append({  # type: ignore[union-attr]
+            "id": 256 + len(SPECIAL_TOKENS) + i, "content": marker, "single_word": False,
+            "lstrip": False, "rstrip": False, "normalized": False, "special": False})
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": shape.max_position_embeddings,
+        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+        "chat_template": TEMPLATE}))
+    (path / "config.json").write_text(json.dumps(_config(shape, VOCAB)))
+    return path
+
+
+def token_ids(text: str) -> list[int]:
+    """The byte tokenizer's ids, the markers as their added tokens."""
+    ids: list[int] = []
+    for part in re.split("(<think>|</think>)", text):
+        if part in THINK:
+            ids.append(256 + len(SPECIAL_TOKENS) + THINK.index(part))
+        else:
+            ids += list(part.encode())
+    return ids
+
+
+class ScriptedModel:
+    """Forwards to the real model (its caches fill as usual); the logits pick the script."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self.script: list[int] = []
+        self._step = 0
+        self._forced = -1
+
+    def say(self, text: str) -> None:
+        self.script = token_ids(text)
+
+    def __call__(self, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        import mlx.core as mx
+
+        logits = self._model(inputs, *args, **kwargs)
+        # A decode step's input is the token forced last; anything else is (the end of) a
+        # prompt, whose logits are the first the request samples.
+        if inputs.shape[1] > 1 or self._step == 0 or inputs[0, -1].item() != self._forced:
+            self._step = 0
+        token = self.script[self._step] if self._step < len(self.script) else EOS
+        self._step += 1
+        self._forced = token
+        row = np.full(logits.shape[-1], -1e4, np.float32)
+        row[token] = 1e4
+        return logits * 0 + mx.array(row)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, ScriptedModel]]:
+    path = build_thinking_model(tmp_path_factory.mktemp("thinker") / "model")
+    holder: dict[str, ScriptedModel] = {}
+
+    def load() -> LoadedModel:
+        loaded = load_model(str(path), model_id=MODEL)
+        assert loaded.tokenizer.has_thinking and loaded.tokenizer.think_start == "<think>"
+        holder["model"] = ScriptedModel(loaded.model)
+        return LoadedModel(**{**loaded.__dict__, "model": holder["model"]})
+
+    port = free_port()
+    app = create_app(Settings(model=str(path), served_model_name=MODEL), load=load)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling for readiness
+    assert server.started
+    yield f"http://127.0.0.1:{port}", holder["model"]
+    server.should_exit = True
+    thread.join(30)
+
+
+_asked = iter(range(10**6))
+
+
+def _user() -> str:
+    """A fresh question each time: a prompt the prefix cache has not seen is prefilled."""
+    return f"question {next(_asked)}: what is the weather?"
+
+
+def _sse(response: httpx.Response) -> list[tuple[str | None, Any]]:
+    events, name = [], None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            name = line[7:]
+        elif line.startswith("data: ") and line != "data: [DONE]":
+            events.append((name, json.loads(line[6:])))
+    return events
+
+
+# -- chat completions -------------------------------------------------------------------
+
+def test_chat_reasoning_content_whole(thinker):
+    url, model = thinker
+    model.say("The user asks about weather.\n</think>\n\nIt is sunny.")
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": _user()}], "max_tokens": 200})
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert message["reasoning_content"] == "The user asks about weather."
+    assert message["content"] == "It is sunny."
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+
+
+def test_chat_reasoning_content_streamed(thinker):
+    url, model = thinker
+    model.say("Think a while.\n</think>\n\nIt is sunny.")
+    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": _user()}], "max_tokens": 200,
+            "stream": True}) as r:
+        assert r.status_code == 200
+        deltas = [e["choices"][0]["delta"] for _, e in _sse(r) if e.get("choices")]
+    reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
+    content = "".join(d.get("content") or "" for d in deltas)
+    assert (reasoning, content) == ("Think a while.", "It is sunny.")
+    assert sum(1 for d in deltas if d.get("reasoning_content")) > 1  # streamed as it comes
+
+
+def test_chat_tool_call_after_reasoning(thinker):
+    url, model = thinker
+    model.say("I need the weather tool.\n</think>\n\n" + CALL)
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": _user()}], "max_tokens": 300,
+        "tools": [TOOL]})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"]["reasoning_content"] == "I need the weather tool."
+    assert choice["message"]["content"] is None
+    call = choice["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Paris"}
+    assert choice["finish_reason"] == "tool_calls"
+
+
+# -- Responses --------------------------------------------------------------------------
+
+def test_responses_reasoning_item_whole(thinker):
+    url, model = thinker
+    model.say("Weather, so call the tool.\n" + CALL)  # the call inside the open block
+    r = httpx.post(f"{url}/v1/responses", timeout=60, json={
+        "model": MODEL, "input": _user(), "max_output_tokens": 300,
+        "tools": [{"type": "function", "name": "get_weather", "parameters": TOOL["function"]["parameters"]}]})
+    assert r.status_code == 200, r.text
+    output = r.json()["output"]
+    assert [item["type"] for item in output] == ["reasoning", "function_call"]
+    assert output[0]["summary"] == []
+    assert output[0]["content"] == [{"type": "reasoning_text", "text": "Weather, so call the tool."}]
+    assert json.loads(output[1]["arguments"]) == {"city": "Paris"}
+    assert r.json()["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
+
+
+def test_responses_reasoning_streamed_through_the_sdk(thinker):
+    from openai import OpenAI
+
+    url, model = thinker
+    model.say("Think first.\n</think>\n\nIt is sunny.")
+    client = OpenAI(base_url=f"{url}/v1", api_key="none")
+    with client.responses.stream(model=MODEL, input=_user(), max_output_tokens=200) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == "Think first."
+    assert final.output_text == "It is sunny."
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    assert kinds.count("response.reasoning_text.delta") > 1
+
+
+# -- Anthropic --------------------------------------------------------------------------
+
+def _messages(thinking: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 200,
+                            "messages": [{"role": "user", "content": _user()}], **extra}
+    if thinking is not None:
+        body["thinking"] = thinking
+    return body
+
+
+def test_anthropic_thinking_block_when_enabled(thinker):
+    url, model = thinker
+    model.say("Let me think.\n</think>\n\nIt is sunny.")
+    r = httpx.post(f"{url}/v1/messages", timeout=60,
+                   json=_messages({"type": "enabled", "budget_tokens": 1024}))
+    assert r.status_code == 200, r.text
+    assert r.json()["content"] == [
+        {"type": "thinking", "thinking": "Let me think.", "signature": ""},
+        {"type": "text", "text": "It is sunny."},
+    ]
+
+
+def test_anthropic_thinking_dropped_when_not_enabled(thinker):
+    url, model = thinker
+    model.say("Let me think.\n</think>\n\nIt is sunny.")
+    r = httpx.post(f"{url}/v1/messages", timeout=60, json=_messages(None))
+    assert r.json()["content"] == [{"type": "text", "text": "It is sunny."}]
+
+
+def test_anthropic_thinking_streamed_through_the_sdk_with_a_tool_call(thinker):
+    import anthropic
+
+    url, model = thinker
+    model.say("Use the tool.\n</think>\n\n" + CALL)
+    client = anthropic.Anthropic(base_url=url, api_key="none")
+    tool = {"name": "get_weather", "input_schema": TOOL["function"]["parameters"]}
+    with client.messages.stream(**_messages({"type": "enabled", "budget_tokens": 1024},
+                                            tools=[tool])) as stream:
+        kinds = [getattr(event, "type", "") for event in stream]
+        final = stream.get_final_message()
+    assert [block.type for block in final.content] == ["thinking", "tool_use"]
+    assert final.content[0].thinking == "Use the tool."
+    assert final.content[1].input == {"city": "Paris"} and final.stop_reason == "tool_use"
+    assert "thinking" in kinds or "content_block_delta" in kinds
