@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -23,6 +24,8 @@ from server.errors import APIError, BadRequest, RequestTimeout, from_engine_erro
 from server.text_stream import ChoiceText, TextDelta
 
 _DONE = object()
+CLAMPED_HEADER = "x-max-tokens-clamped"
+log = logging.getLogger("mlx_headroom.server.generation")
 
 
 @dataclass
@@ -52,10 +55,18 @@ class Prepared:
     # choice i*n + j answers prompt i.
     more_prompts: tuple[tuple[int, ...], ...] = ()
     prompt_logprobs: int | None = None  # score the prompts (echo with logprobs), N alternatives
+    requested_max_tokens: int | None = None  # what the request asked for, before clamping
 
     @property
     def prompts(self) -> list[tuple[int, ...]]:
         return [tuple(self.prompt_tokens), *self.more_prompts]
+
+    def headers(self) -> dict[str, str]:
+        """`x-max-tokens-clamped: N` when the request's max_tokens was lowered to N."""
+        requested = self.requested_max_tokens
+        if requested is not None and self.max_tokens < requested:
+            return {CLAMPED_HEADER: str(self.max_tokens)}
+        return {}
 
 
 def prepare(
@@ -69,15 +80,18 @@ def prepare(
     top_logprobs: int,
     new_processor: Callable[[], LogitsProcessor | None] = _no_processor,
     prompt_param: str = "messages",
+    clamp_to_cap: bool = False,
 ) -> Prepared:
     """Validate lengths against the context and build the sampling parameters.
 
     `max_tokens` is a ceiling: clamped to the room the prompt leaves in the context (agents
-    ask for 32k output tokens whatever the model). Refused are only a prompt that leaves
-    no room, and a `max_tokens` above the operator's cap."""
+    ask for 32k output tokens whatever the model), and logged; `Prepared.headers` says so
+    to the client. Refused are only a prompt that leaves no room, and a `max_tokens` above
+    the operator's cap, unless `clamp_to_cap` (Anthropic's API, where `max_tokens` is
+    required and clients send their own ceiling)."""
     room = context_length - len(prompt_tokens)
     requested = body.requested_max_tokens
-    if requested is not None and requested > max_tokens_cap:
+    if requested is not None and requested > max_tokens_cap and not clamp_to_cap:
         raise BadRequest(
             f"max_tokens is {requested}, above this server's cap of {max_tokens_cap}",
             code="max_tokens_too_large", param="max_tokens",
@@ -88,7 +102,11 @@ def prepare(
             f"is {len(prompt_tokens)} tokens: it leaves no room for output. Shorten the prompt.",
             code="context_length_exceeded", param=prompt_param,
         )
-    max_tokens = min(requested if requested is not None else default_max_tokens, room)
+    max_tokens = min(requested if requested is not None else default_max_tokens, room, max_tokens_cap)
+    if requested is not None and max_tokens < requested:
+        log.info("max_tokens clamped from %d to %d: the prompt's %d tokens leave %d of the "
+                 "model's %d (the server's cap is %d)", requested, max_tokens, len(prompt_tokens),
+                 room, context_length, max_tokens_cap)
     sampling = SamplingParams(
         temperature=body.temperature,
         top_p=body.top_p,
@@ -99,7 +117,8 @@ def prepare(
         top_logprobs=top_logprobs,
         logit_bias=body.logit_bias_pairs() if hasattr(body, "logit_bias_pairs") else (),
     )
-    return Prepared(prompt_tokens, max_tokens, sampling, body.stop_list, body.n, new_processor)
+    return Prepared(prompt_tokens, max_tokens, sampling, body.stop_list, body.n, new_processor,
+                    requested_max_tokens=requested)
 
 
 class Generation:

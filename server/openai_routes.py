@@ -280,7 +280,7 @@ async def chat_completions(
         "model": body.model,
         "choices": [message(c) for c in generation.choices],
         "usage": usage(),
-    })
+    }, headers=generation.prepared.headers())
 
 
 @router.get("/v1/chat/completions")
@@ -377,7 +377,8 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
         return {"index": c.index, "text": prefix(c.index) + c.text.text, "logprobs": own,
                 "finish_reason": c.finish_reason}
 
-    return JSONResponse(payload([choice_body(c) for c in generation.choices], generation.usage()))
+    return JSONResponse(payload([choice_body(c) for c in generation.choices], generation.usage()),
+                        headers=generation.prepared.headers())
 
 
 def _event_stream(
@@ -406,7 +407,8 @@ def _event_stream(
             generation.close()
         yield b"data: [DONE]\n\n"
 
-    return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+    return StreamingResponse(stream(), media_type="text/event-stream",
+                             headers={**SSE_HEADERS, **generation.prepared.headers()})
 
 
 async def _first_or_error(generation: Generation) -> Any:

@@ -6,7 +6,8 @@ an Anthropic message, whole or as server-sent events.
 
 `max_tokens` is an upper bound here, clamped to what the context has room for and to
 the server's cap: Claude Code asks for 32000 output tokens whatever the model, and a
-local model's context is often smaller than that.
+local model's context is often smaller than that. The `x-max-tokens-clamped` header names
+the value used.
 """
 
 from __future__ import annotations
@@ -80,18 +81,15 @@ async def _plan(state: ServerState, body: PromptFields, *, counting: bool = Fals
 
 
 def _start(state: ServerState, body: MessagesRequest, plan: ChatPlan) -> Generation:
-    tokens = plan.tokens
-    room = state.context_length - len(tokens)
-    limit = min(body.max_tokens, state.settings.max_tokens_cap)
     sampling = _Sampling(
-        requested_max_tokens=min(limit, room) if room >= 1 else limit,
+        requested_max_tokens=body.max_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,
         stop_list=list(body.stop_sequences or []),
     )
     prepared = prepare(
-        prompt_tokens=tokens,
+        prompt_tokens=plan.tokens,
         body=sampling,
         context_length=state.context_length,
         default_max_tokens=state.settings.default_max_tokens,
@@ -99,6 +97,7 @@ def _start(state: ServerState, body: MessagesRequest, plan: ChatPlan) -> Generat
         logprobs=False,
         top_logprobs=0,
         new_processor=plan.new_processor,
+        clamp_to_cap=True,
     )
     return Generation(state.engine, state.tokenizer, prepared,
                       timeout_s=state.settings.request_timeout_s)
@@ -118,12 +117,13 @@ async def create_message(body: MessagesRequest, request: Request) -> JSONRespons
             raise
         return StreamingResponse(
             message_events(generation, first, body.model, plan.parser(), thinking=body.thinking_enabled),
-            media_type="text/event-stream", headers=SSE_HEADERS)
+            media_type="text/event-stream", headers={**SSE_HEADERS, **generation.prepared.headers()})
     try:
         await gather(generation, request)
     finally:
         generation.close()
-    return JSONResponse(message_body(generation, body.model, plan.parser(), thinking=body.thinking_enabled))
+    return JSONResponse(message_body(generation, body.model, plan.parser(), thinking=body.thinking_enabled),
+                        headers=generation.prepared.headers())
 
 
 @router.post("/v1/messages/count_tokens")

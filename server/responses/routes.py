@@ -154,7 +154,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
             generation.close()
             raise first.exception()  # type: ignore[misc]
         return StreamingResponse(_stream(generation, builder, first, remember),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+                                 media_type="text/event-stream",
+                                 headers={**SSE_HEADERS, **prepared.headers()})
 
     try:
         await gather(generation, request)
@@ -164,7 +165,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
     builder.feed(result.text.text, final=True)
     builder.finish(result.finish_reason, generation.usage())
     remember()
-    return JSONResponse(builder.snapshot())
+    return JSONResponse(builder.snapshot(), headers=prepared.headers())
 
 
 async def _stream(generation: Generation, builder: ResponseBuilder, first: asyncio.Future[Any],

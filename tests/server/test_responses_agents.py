@@ -119,22 +119,38 @@ def test_an_image_only_turn_is_refused_in_the_responses_error_shape(server):
     assert "image" in error["message"]
 
 
+def _clamped(r: httpx.Response) -> int:
+    """The max_tokens the server used, from `x-max-tokens-clamped`: the context's room."""
+    used = int(r.headers["x-max-tokens-clamped"])
+    assert 7000 < used < 8192
+    return used
+
+
 def test_an_oversized_max_tokens_is_clamped_on_all_three_apis(server):
-    """32,000 on the 8,192-token tiny model, as Claude Code asks: served, not refused.
-    Forced formats or calls end each output early."""
+    """32,000 on the 8,192-token tiny model, as Claude Code asks: served, not refused, and
+    the header says what was used. Forced formats or calls end each output early."""
     ask = [{"role": "user", "content": "Hi"}]
     r = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
         "model": MODEL, "messages": ask, "max_tokens": 32000,
         "response_format": {"type": "json_schema", "json_schema": {"name": "done", "schema": SCHEMA}}})
     assert r.status_code == 200, r.text
+    assert _clamped(r) == 8192 - r.json()["usage"]["prompt_tokens"]
     r = httpx.post(server.url + "/v1/responses", timeout=120, json={
         "model": MODEL, "input": "Hi", "max_output_tokens": 32000, "text": ENDS})
     assert r.status_code == 200 and r.json()["status"] == "completed", r.text
+    _clamped(r)
     tool = {"name": "done", "input_schema": SCHEMA}
-    r = httpx.post(server.url + "/v1/messages", timeout=120, json={
-        "model": MODEL, "messages": ask, "max_tokens": 32000, "tools": [tool],
-        "tool_choice": {"type": "tool", "name": "done", "disable_parallel_tool_use": True}})
+    body = {"model": MODEL, "messages": ask, "max_tokens": 32000, "tools": [tool],
+            "tool_choice": {"type": "tool", "name": "done", "disable_parallel_tool_use": True}}
+    r = httpx.post(server.url + "/v1/messages", timeout=120, json=body)
     assert r.status_code == 200, r.text
+    _clamped(r)
+    with httpx.stream("POST", server.url + "/v1/messages", timeout=120, json={**body, "stream": True}) as s:
+        assert s.status_code == 200
+        _clamped(s)
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=120,
+                   json={"model": MODEL, "messages": ask, "max_tokens": 2})
+    assert "x-max-tokens-clamped" not in r.headers  # room enough: nothing to say
 
 
 def test_only_a_prompt_that_does_not_fit_is_refused_with_its_size(server):
