@@ -14,6 +14,8 @@
     └── ServiceUnavailable (503) the engine is not running; the memory probe is unavailable
                               (with Retry-After)
 
+Every error carries a `code`: the one it was raised with, or its class's `default_code`.
+
 Engine errors are translated here, at the boundary, so the engine never knows HTTP.
 Every error answer goes through one `ErrorRenderer`, which picks the body's shape for the
 request: OpenAI's by default, Anthropic's on the Anthropic routes (server/anthropic/errors.py).
@@ -48,6 +50,7 @@ log = logging.getLogger("mlx_headroom.server")
 class APIError(Exception):
     status = 500
     type = "server_error"
+    default_code = "server_error"
 
     def __init__(
         self,
@@ -60,7 +63,7 @@ class APIError(Exception):
     ) -> None:
         super().__init__(message)
         self.message = message
-        self.code = code
+        self.code = code or self.default_code
         self.param = param
         self.headers = headers or {}
         self.extra = extra or {}
@@ -83,51 +86,61 @@ class APIError(Exception):
 class BadRequest(APIError):
     status = 400
     type = "invalid_request_error"
+    default_code = "invalid_request"
 
 
 class Unauthorized(APIError):
     status = 401
     type = "authentication_error"
+    default_code = "invalid_api_key"
 
 
 class Forbidden(APIError):
     status = 403
     type = "permission_error"
+    default_code = "forbidden"
 
 
 class NotFound(APIError):
     status = 404
     type = "invalid_request_error"
+    default_code = "not_found"
 
 
 class Conflict(APIError):
     status = 409
     type = "invalid_request_error"
+    default_code = "conflict"
 
 
 class PayloadTooLarge(APIError):
     status = 413
     type = "invalid_request_error"
+    default_code = "request_too_large"
 
 
 class TooManyRequests(APIError):
     status = 429
     type = "rate_limit_error"
+    default_code = "rate_limit_exceeded"
 
 
 class RequestTimeout(APIError):
     status = 504
     type = "timeout_error"
+    default_code = "request_timeout"
 
 
 class InsufficientStorage(APIError):
     status = 507
     type = "insufficient_memory"
+    default_code = "insufficient_memory"
 
 
 class ServiceUnavailable(APIError):
     status = 503
     type = "service_unavailable"
+    default_code = "service_unavailable"
 
 
 ErrorRenderer = Callable[[APIError, Scope], Response]

@@ -122,7 +122,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
     if not conversation and system_texts:  # only developer text: it is the request
         conversation, system_texts = [{"role": "user", "content": "\n\n".join(system_texts)}], []
     if not conversation:
-        raise BadRequest("input is empty", param="input")
+        raise BadRequest("input is empty, and there are no instructions or previous response to "
+                         "answer instead", code="empty_input", param="input")
     # Instructions do not carry over to a continuation: they are not stored.
     system = [{"role": "system", "content": "\n\n".join(system_texts)}] if system_texts else []
     fmt = body.text.format

@@ -144,3 +144,15 @@ def test_a_refused_stream_is_a_real_507_before_any_event(small_machine):
         "model": MODEL, "stream": True, "max_output_tokens": 10, "input": "y" * 3000})
     assert_507(r)
     assert not r.headers["content-type"].startswith("text/event-stream")
+
+
+def test_an_empty_input_with_instructions_or_a_previous_response_is_served(client, server):
+    first = client.responses.create(model=MODEL, input=[], instructions="Say hello.",
+                                    max_output_tokens=3, store=True)
+    assert first.status in ("completed", "incomplete") and first.usage.input_tokens > 0
+    follow = client.responses.create(model=MODEL, input=[], previous_response_id=first.id,
+                                     max_output_tokens=3)
+    assert follow.usage.input_tokens > first.usage.input_tokens
+    r = httpx.post(server.url + "/v1/responses", timeout=60, json={"model": MODEL, "input": []})
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "empty_input" and r.json()["error"]["param"] == "input"
