@@ -67,7 +67,8 @@ def resolve_source(model: str, *, progress: Callable[[str], None] = log.info) ->
 
 def local_directory(model: str) -> Path | None:
     """The directory ``model`` loads from if it is ready without building or converting."""
-    from engine.gguf import converted_dir, file_sha256, find_gguf, is_converted
+    from engine.gguf import converted_dir, find_gguf, is_converted
+    from engine.gguf.convert import gguf_sha256
 
     if model == DEFAULT_MODEL:
         return local_directory(default_choice())
@@ -82,7 +83,7 @@ def local_directory(model: str) -> Path | None:
         return path if is_converted(path) else None
     gguf = find_gguf(model)
     if gguf is not None:
-        path = converted_dir(file_sha256(gguf), gguf_dtype())
+        path = converted_dir(gguf_sha256(gguf, lambda _: None), gguf_dtype())
         return path if is_converted(path) else None
     return None
 

@@ -49,6 +49,43 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _memo_path() -> Path:
+    return gguf_cache_dir() / "hashes.json"
+
+
+def remembered_sha256(path: Path) -> str | None:
+    """The sha256 of a file converted before, if it has not changed since (size, mtime)."""
+    try:
+        memo = json.loads(_memo_path().read_text())
+        size, mtime, sha256 = memo[str(path.resolve())]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    st = path.stat()
+    return str(sha256) if (size, mtime) == (st.st_size, st.st_mtime_ns) else None
+
+
+def _remember_sha256(path: Path, sha256: str) -> None:
+    """Note a converted file's hash, so the next start finds its conversion without hashing."""
+    memo_path = _memo_path()
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    st = path.stat()
+    memo[str(path.resolve())] = [st.st_size, st.st_mtime_ns, sha256]
+    tmp = memo_path.with_name(f".{memo_path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(memo, indent=1))
+    os.replace(tmp, memo_path)
+
+
+def gguf_sha256(path: Path, progress: Callable[[str], None] = log.info) -> str:
+    sha256 = remembered_sha256(path)
+    if sha256 is None:
+        progress(f"hashing {path}")
+        sha256 = file_sha256(path)
+    return sha256
+
+
 def converted_dir(sha256: str, dtype: str) -> Path:
     return gguf_cache_dir() / f"{sha256[:16]}-{dtype}"
 
@@ -76,11 +113,13 @@ def ensure_converted(gguf_path: Path, *, dtype: str, sha256: str | None = None,
     """The converted directory of ``gguf_path``, converting it first if it is not cached."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r}: one of {', '.join(_DTYPES)}")
+    remember = sha256 is None
     if sha256 is None:
-        progress(f"hashing {gguf_path}")
-        sha256 = file_sha256(gguf_path)
+        sha256 = gguf_sha256(gguf_path, progress)
     target = converted_dir(sha256, dtype)
     if is_converted(target):
+        if remember:
+            _remember_sha256(gguf_path, sha256)
         return target
     progress(f"converting {gguf_path} to an MLX model in {target} (first use only)")
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -95,6 +134,8 @@ def ensure_converted(gguf_path: Path, *, dtype: str, sha256: str | None = None,
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if remember:
+        _remember_sha256(gguf_path, sha256)
     return target
 
 
