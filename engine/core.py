@@ -29,6 +29,7 @@ from engine.prefix_cache import PrefixCache, PrefixCacheStats
 from engine.request import EngineRequest, RequestOutput
 from engine.runner import Runner
 from engine.sequence import RequestStatus, Sequence
+from engine.step_budget import StepBudget, prefill_order
 from memory import Decision, MemoryGuard, Outcome, ProbeUnavailableError
 from memory.decision import CODE_PROBE_FAILED, CODE_READING_STALE, CODE_WAITING
 
@@ -60,6 +61,10 @@ class EngineConfig:
     kv_segment_tokens: int | None = None  # None: sized from the model (engine.kv.store)
     decode_overlap: bool | None = None  # None: on for CUDA (measured safe), off elsewhere (engine.runner)
     max_step_tokens: int | None = None  # tokens per step, decode rows included (None: prefill_step_size)
+    # While rows decode, a step's prefill is cut to what keeps the step within this many
+    # seconds, by the measured cost of a prefill token at its context (engine.step_budget).
+    # None: only the token budget bounds it. The server passes its backend's default.
+    max_decode_stall_s: float | None = None
     prefill_batch: int = 8  # most prompts' chunks in one prefill model call (1: one per call)
     # Replay decode steps from traced graphs (engine.compiled_decode). None: on for CUDA,
     # where it won every interleaved server A/B (docs/throughput.md).
@@ -212,7 +217,9 @@ class EngineCore:
                                 prefill_batch=config.prefill_batch, compiled=compiled,
                                 slice_decode=config.slice_decode)
         self.waiting: deque[Sequence] = deque()
-        self.prefilling: list[Sequence] = []
+        self.prefilling: list[Sequence] = []  # in admission order; each step runs them in prefill_order
+        self.step_budget = StepBudget(config.max_decode_stall_s, floor_tokens=config.min_chunk_tokens)
+        self._prefill_s = 0.0  # this step's prefill calls, waits for the queued decode step excluded
         self.inbox: queue.SimpleQueue[_Submit | _Abort | _Call | None] = queue.SimpleQueue()
         self.stats = EngineStats()
         self._counters = dict(
@@ -283,10 +290,13 @@ class EngineCore:
             victim, self._prefilling_now = self._prefilling_now, None
             victims, self._prefilling_batch = self._prefilling_batch, []
             self._step_failed(exc, victims or ([victim] if victim else []))
+        decoding = len(self.batch)
         try:
             self._decode()
         except Exception as exc:
             self._step_failed(exc, list(self.batch.seqs))
+        if decoding:
+            self.step_budget.observe_step(time.perf_counter() - started, self._prefill_s)
         if self.admission.upkeep_due():
             self.admission.upkeep(self.admission.committed_bytes(self._admitted(), self._allocated_kv()))
         progressed = bool(self._outputs or len(self.batch))
@@ -458,18 +468,24 @@ class EngineCore:
 
     # ---- prefill ---------------------------------------------------------------------
     def _prefill(self) -> None:
-        """This step's prefill: chunks of the prefilling prompts, first come first served,
-        under the step's token budget, run together (several prompts per model call).
+        """This step's prefill: chunks of the prefilling prompts, shortest remaining first
+        with aging (`engine.step_budget.prefill_order`), under the step's token budget, run
+        together (several prompts per model call).
 
         The budget is `max_step_tokens` (default: `prefill_step_size`) less one token per
         decoding row, as vLLM's scheduler counts it, but never below the smallest chunk:
-        waiting prompts always move. Each round gathers at most one chunk per prompt and
-        runs them as one batch; while budget is left (a chunk was halved under memory
-        pressure, a prompt finished), another round follows, so a lone prompt takes the
-        step's whole budget in several chunks, as before batching.
+        waiting prompts always move. While rows decode, the stall target cuts it further
+        to what the step's time allows (`engine.step_budget.StepBudget`). Each round gathers
+        at most one chunk per prompt and runs them as one batch; while budget is left (a
+        chunk was halved under memory pressure, a prompt finished), another round follows,
+        so a lone prompt takes the step's whole budget in several chunks, as before batching.
         """
         step_tokens = self.config.max_step_tokens or STEP_CHUNKS * self.config.prefill_step_size
         budget = max(step_tokens - len(self.batch), self.config.min_chunk_tokens)
+        # Tensor-parallel ranks step on rank 0's decisions: a time budget measured on each
+        # rank's own clock would cut their chunks differently, so they keep the token budget.
+        self.step_budget.begin(decoding=bool(len(self.batch)) and self.lockstep is None)
+        self._prefill_s = 0.0
         ran: set[str] = set()  # prompts that ran a chunk this step
         while budget > 0:
             planned, predicted, stopped = self._gather_chunks(budget, ran=ran)
@@ -482,7 +498,11 @@ class EngineCore:
             for seq in [s for s in self.prefilling if s.remaining_prefill == 0]:
                 self._join_batch(seq)
             if not planned or stopped:
-                return
+                break
+        if ran:  # aging: a prompt passed over while others ran moves up (prefill_order)
+            for seq in self.prefilling:
+                if seq.request_id not in ran and seq.remaining_prefill:
+                    seq.passed_over += 1
 
     def _gather_chunks(
         self, budget: int, *, ran: frozenset[str] | set[str] = frozenset()
@@ -505,14 +525,17 @@ class EngineCore:
         """
         planned: list[tuple[Sequence, int]] = []
         predicted = 0
+        order = prefill_order(self.prefilling)
         i = 0
-        while i < len(self.prefilling) and budget > 0:
-            seq = self._prefilling_now = self.prefilling[i]
-            if seq.remaining_prefill == 0:
-                i += 1  # a prefix hit covered it: it joins
+        while i < len(order) and budget > 0:
+            seq = self._prefilling_now = order[i]
+            if seq.remaining_prefill == 0 or seq not in self.prefilling:
+                i += 1  # a prefix hit covered it: it joins (or it was preempted)
                 continue
-            allow = budget
-            if 0 < seq.remaining_prefill - budget < self.config.min_chunk_tokens:
+            allow = self.step_budget.allow(seq.processed, budget)
+            if allow <= 0:
+                break  # the step's time is spent
+            if 0 < seq.remaining_prefill - allow < self.config.min_chunk_tokens:
                 # Finish the prompt rather than leave a few tokens for a step of their own
                 # (the decode rows' share of the budget would otherwise cut 1,000-token
                 # prompts into 985 + 15, and rows of unequal length need an array mask).
@@ -530,15 +553,16 @@ class EngineCore:
                 break  # no room beside this batch: asked again in the next round
             if not self._act_on(seq, plan.decision, self.clock()):
                 if seq not in self.prefilling:
+                    i += 1
                     continue  # refused: the next one may fit
                 if (not planned and not len(self.batch) and plan.decision.code == CODE_WAITING
                         and self._preempt_youngest_prefill(seq)):
-                    i = self.prefilling.index(seq)
                     continue  # memory was handed back: ask again (not for an unreadable probe)
                 self._prefilling_now = None
                 return planned, predicted, True  # it waits, and so does everyone behind it
             seq.wait_since = None
             planned.append((seq, plan.tokens))
+            self.step_budget.spend(seq.processed, plan.tokens)
             predicted = plan.predicted_bytes
             budget -= plan.tokens
             i += 1
@@ -572,7 +596,11 @@ class EngineCore:
         tokens = sum(n for _, n in chunks)
         active_before = mx.get_active_memory()
         self.admission.reset_peak()
+        started, settled = time.perf_counter(), self.batch.settle_s
         self._counters["prefill_calls"] += self.batch.prefill(chunks)
+        seconds = time.perf_counter() - started - (self.batch.settle_s - settled)
+        self._prefill_s += seconds
+        self.step_budget.observe_prefill([(s.processed, n) for s, n in chunks], seconds)
         self.admission.observe_chunk(tokens, max(mx.get_peak_memory() - active_before, 0), predicted)
         # No clear_cache here: the guard has memory handed back when admission needs room.
         for seq, n in chunks:

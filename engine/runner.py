@@ -78,6 +78,7 @@ class Runner:
         self.decode_wait_s = 0.0
         self.prefill_wait_s = 0.0
         self.queue_s = 0.0  # inside mx.async_eval of decode steps (see _queue)
+        self.settle_s = 0.0  # of those waits, for a queued decode step before a write (settle)
         # Tensor parallel: every rank feeds back rank 0's tokens (engine.distributed).
         self.agree: Callable[[SampledStep], SampledStep] | None = None
 
@@ -146,7 +147,9 @@ class Runner:
         prefix's copy-on-write) must find no queued work reading it, or MLX copies the
         segment's arrays instead of writing in place."""
         if self.pending is not None:
+            started = time.perf_counter()
             mx.eval(*self.pending.arrays())
+            self.settle_s += time.perf_counter() - started
 
     # ---- the batch -------------------------------------------------------------------
     def join(self, seq: Sequence) -> None:

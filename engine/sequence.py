@@ -22,6 +22,7 @@ class Sequence:
     generated: int = 0
     wait_since: float | None = None  # when admission first said WAIT
     chunk_tokens: int = 0  # current prefill chunk size (shrinks under memory pressure)
+    passed_over: int = 0  # steps in which others prefilled and it did not (engine.step_budget.prefill_order)
     aborted: bool = field(default=False)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # scored so far
 

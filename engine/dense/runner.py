@@ -46,6 +46,7 @@ class DenseRunner:
         self.decode_wait_s = 0.0
         self.prefill_wait_s = 0.0
         self.queue_s = 0.0
+        self.settle_s = 0.0  # waiting for a queued decode step (settle)
         self.agree: Any = None  # tensor parallel's token agreement (engine.distributed)
 
     def __len__(self) -> int:
@@ -77,7 +78,9 @@ class DenseRunner:
     def settle(self) -> None:
         """Let the queued decode step finish."""
         if self.pending is not None:
+            started = time.perf_counter()
             mx.eval(*self.pending.arrays())
+            self.settle_s += time.perf_counter() - started
 
     # ---- the batch -------------------------------------------------------------------
     def join(self, seq: Sequence) -> None:
