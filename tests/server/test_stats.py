@@ -9,17 +9,15 @@ import pytest
 
 from server.history import History, Sample
 from server.stats import _percentiles
-from tests.conftest import ServerProcess, wait_until
+from tests.conftest import wait_until
 
 MODEL = "mlx-headroom/tiny-chat"
 
 
-@pytest.fixture(scope="module")
-def srv(tiny_model_path, tmp_path_factory):
-    proc = ServerProcess(tiny_model_path, args=["--memory-probe", "allocator"]).start(
-        tmp_path_factory.mktemp("stats"))
-    yield proc
-    proc.stop()
+@pytest.fixture
+def srv(small_machine):
+    """The shared allocator-probe server: the tests count what they add to its figures."""
+    return small_machine
 
 
 def stats(url: str, **params: float) -> dict:
@@ -60,9 +58,10 @@ def test_a_sampler_that_wakes_early_skips_to_the_next_boundary() -> None:
 
 
 def test_history_is_sampled_once_a_second(srv):
-    wait_until(lambda: len(stats(srv.url)["history"]["at"]) >= 4, timeout=15)
+    since = stats(srv.url)["history"]["at"][-1]
+    wait_until(lambda: len(stats(srv.url, since=since)["history"]["at"]) >= 4, timeout=15)
     h = stats(srv.url)["history"]
-    at = h["at"][1:]  # the first sample is taken at start, off the second
+    at = [t for t in h["at"] if t > since]  # samples this test waited for
     gaps = [b - a for a, b in itertools.pairwise(at)]
     assert all(0.5 <= g <= 1.6 for g in gaps), gaps
     assert len(h["usage_bytes"]) == len(h["ceiling_bytes"]) == len(h["committed_bytes"]) == len(h["at"])
