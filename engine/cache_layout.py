@@ -10,13 +10,22 @@ its config alone). Each cache entry then says what it is:
     chunked   ChunkedKVCache (llama4): at most one attention chunk
     state     ArraysCache (mamba, gated delta-net): a fixed state per sequence
     quantized QuantizedKVCache: packed keys and values, every token
+    custom    a model's own cache class (deepseek_v41's LayerCache): every token, at the
+              bytes per token it held after the probe
+
+An entry the probe's forward left empty (nemotron-nas's layers without attention) holds
+nothing: a full entry of no bytes.
 
 A `CacheList` entry contributes one `LayerCache` per child. Bytes per token come from the
 keys' and values' shapes except the sequence axis, so MLA's latent keys (1 head × 512) and
 rotary values (1 × 64) are counted as they are stored, not as the config's heads suggest.
 
+A second lazy forward asks whether the model takes a batch of rows whose caches hold one
+offset per row, as mlx-lm's batch caches and the paged store's views do (gpt_bigcode makes
+its positions from the offset as a Python int, so it cannot): `CacheLayout.batched`.
+
 `CacheLayout.plain_kv` is the paged store's case (every entry a plain `KVCache` with the same
-heads and dims for keys and values); other models are served by `engine.dense`.
+heads and dims for keys and values, rows batched); other models are served by `engine.dense`.
 """
 
 from __future__ import annotations
@@ -33,7 +42,9 @@ from memory import ModelGeometry, geometry_from_model
 KV_STEP = 256  # mlx-lm's caches grow by this many tokens
 PROBE_TOKENS = 2
 
-FULL, WINDOW, CHUNKED, STATE, QUANTIZED = "full", "window", "chunked", "state", "quantized"
+FULL, WINDOW, CHUNKED, STATE, QUANTIZED, CUSTOM = (
+    "full", "window", "chunked", "state", "quantized", "custom"
+)
 
 
 class CacheLayoutError(RuntimeError):
@@ -46,7 +57,7 @@ class LayerCache:
 
     kind: str
     cache_type: str  # mlx-lm's class name
-    bytes_per_token: int = 0  # keys + values of one token (full, window, chunked, quantized)
+    bytes_per_token: int = 0  # keys + values of one token (every kind but state)
     fixed_bytes: int = 0  # state held per sequence whatever its length (state)
     window: int | None = None  # max_size (window) or chunk_size (chunked)
     keep: int = 0  # RotatingKVCache's leading tokens never rotated out
@@ -59,7 +70,7 @@ class LayerCache:
         """Token slots this entry holds for a sequence of `tokens`, `chunk` at a time."""
         if tokens <= 0 or self.kind == STATE:
             return 0
-        if self.kind in (FULL, QUANTIZED):
+        if self.kind in (FULL, QUANTIZED, CUSTOM):
             return _round_up(tokens)
         window = self.window or tokens
         if self.kind == WINDOW:
@@ -73,7 +84,7 @@ class LayerCache:
 
     def bytes_used(self, tokens: int) -> int:
         """The bytes of the tokens themselves (no step rounding): what is written."""
-        kept = tokens if self.kind in (FULL, QUANTIZED) else min(tokens, self.window or tokens)
+        kept = tokens if self.kind in (FULL, QUANTIZED, CUSTOM) else min(tokens, self.window or tokens)
         return (0 if self.kind == STATE else kept) * self.bytes_per_token + self.fixed_bytes
 
 
@@ -84,12 +95,14 @@ class CacheLayout:
     vocab_size: int
     dtype: mx.Dtype
     model_layers: int = 0  # len(model.layers): more than `entries` when layers reuse others' KV
+    batched: bool = True  # the forward takes rows with per-row cache offsets
 
     @property
     def plain_kv(self) -> bool:
         """Every entry a plain full `KVCache`, keys and values of one shape, one per layer
-        (no layer reading another's cache, as afm7's KV-reuse layers do): the paged store."""
-        if not self.layers or len(self.layers) != self.entries:
+        (no layer reading another's cache, as afm7's KV-reuse layers do), rows batched: the
+        paged store."""
+        if not self.layers or len(self.layers) != self.entries or not self.batched:
             return False
         if self.model_layers and self.model_layers != self.entries:
             return False
@@ -176,7 +189,21 @@ def probe_cache_layout(model: Any, *, weights_loaded: bool = False) -> CacheLayo
     return CacheLayout(
         tuple(layers), len(caches), int(logits.shape[-1]), _dtype_of(caches, logits),
         model_layers=len(model_layers) if isinstance(model_layers, list) else len(caches),
+        batched=_takes_rows(model, caches),
     )
+
+
+def _takes_rows(model: Any, caches: list[Any]) -> bool:
+    """Whether a decode step runs on two rows whose caches are merged, each with its own
+    offset (nothing evaluated). Caches without `merge` are never batched: True."""
+    if not all(hasattr(type(c), "merge") for c in caches):
+        return True
+    try:
+        rows = [type(c).merge([c, c]) for c in caches]
+        model(mx.zeros((2, 1), dtype=mx.int32), cache=rows)
+    except Exception:
+        return False
+    return True
 
 
 def _growing_states(model: Any, caches: list[Any]) -> set[int]:
@@ -250,7 +277,12 @@ def _read(cache: Any, growing: set[int]) -> list[LayerCache]:
         per_token = sum(_per_token(a) for a in _arrays(cache.keys) + _arrays(cache.values))
         return [LayerCache(QUANTIZED, name, bytes_per_token=per_token, mergeable=mergeable)]
     keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
+    if keys is None and values is None and getattr(cache, "offset", None) == 0:
+        return [LayerCache(FULL, name, mergeable=mergeable)]  # a layer that stores nothing
     if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
+        offset, nbytes = getattr(cache, "offset", 0), getattr(cache, "nbytes", None)
+        if isinstance(offset, int) and offset > 0 and isinstance(nbytes, int):
+            return [LayerCache(CUSTOM, name, bytes_per_token=-(-nbytes // offset), mergeable=mergeable)]
         raise CacheLayoutError(f"{name}: the probe's forward left no keys and values in it")
     shape = dict(
         bytes_per_token=_per_token(keys) + _per_token(values), kv_heads=int(keys.shape[1]),

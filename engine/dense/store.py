@@ -4,8 +4,9 @@ A request admitted here gets `make_prompt_cache(model)` when it is reserved; its
 chunks run into those caches. When it joins the decode batch its caches are merged into
 the batch's (`merge` makes a batch of one, `extend` appends it, as mlx-lm's
 `BatchGenerator` does) and when it leaves, its row is filtered out. A model with a cache
-kind that has no `merge` (llama4's `ChunkedKVCache`, `QuantizedKVCache`) keeps every
-request's own caches and steps its rows one at a time.
+kind that has no `merge` (llama4's `ChunkedKVCache`, `QuantizedKVCache`), or whose forward
+cannot take rows at different offsets (`CacheLayout.batched`: gpt_bigcode) or a left-padded
+row (`UNPADDABLE`), keeps every request's own caches and steps its rows one at a time.
 
 Bytes. Nothing is allocated up front: a request's reservation is what its caches hold at
 most (`CacheLayout.bytes_for`: full layers in 256-token steps, window layers at most the
@@ -40,6 +41,14 @@ class DenseAllocation:
     shared: int = field(default=0)  # never shares (the paged Allocation's field)
 
 
+# Model types whose forward goes wrong on a left-padded batch row, by mlx-lm module: their
+# rows step one at a time, as generate_step runs them.
+UNPADDABLE = {
+    # the KV-reuse layers rotate queries by the shared keys' length, which padding lengthens
+    "mlx_lm.models.afm7",
+}
+
+
 class DenseStore:
     block_size = KV_STEP  # the step mlx-lm's caches grow by
     geometry = None  # no paged layout
@@ -51,7 +60,9 @@ class DenseStore:
         self.block_bytes = self.block_size * layout.bytes_per_token
         self.requests: dict[str, DenseAllocation] = {}
         self.rows: list[str] = []  # the decode batch's rows, in order
-        self.batch: list[Any] | None = None  # merged caches of those rows (mergeable layouts)
+        self.batch: list[Any] | None = None  # merged caches of those rows (when `merges`)
+        self.merges = (layout.mergeable and layout.batched
+                       and type(model).__module__ not in UNPADDABLE)
 
     # ---- sizes -----------------------------------------------------------------------
     def blocks_for(self, tokens: int) -> int:
@@ -97,7 +108,7 @@ class DenseStore:
         alloc = self.requests[request_id]
         alloc.in_batch = True
         self.rows.append(request_id)
-        if not self.layout.mergeable:
+        if not self.merges:
             return
         assert alloc.caches is not None
         row = [type(c).merge([c]) for c in alloc.caches]

@@ -1,0 +1,101 @@
+"""Every model type the installed mlx-lm ships, served with greedy output token-identical to
+mlx-lm's own `generate_step` on the same weights.
+
+For each type a tiny random float32 model (tests/engine/tiny_archs.py) is built once and
+served by one engine: one request alone, then four prompts of mixed lengths at once, then
+the first prompt again. On the paged store the repeat is a prefix-cache hit; on mlx-lm's
+own caches (no prefix cache there yet) it prefills again. Every answer equals mlx-lm's.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm.models
+import pytest
+from mlx_lm.generate import generate_step
+
+from engine import EngineRequest, LoadedModel, SamplingParams
+from engine.cache_layout import geometry_for, probe_cache_layout
+from engine.kv import KVStore
+from tests.engine import tiny_archs
+from tests.engine.conftest import Harness
+
+STEP = 16  # prefill chunk: the longer prompts run in several chunks, past the 16-token windows
+FIRST = (40, 10)  # (prompt tokens, new tokens)
+TOGETHER = [(29, 10), (3, 12), (17, 6), (1, 9)]
+
+# Types that cannot run on a Linux CPU, with the reason.
+EXPECTED_FAIL: dict[str, str] = {
+    "bitnet": "its BitLinear layers run a Metal kernel (mx.fast.metal_kernel)",
+    "muse_spark": "its norms, rotary and expert routing run Metal kernels (mlx_lm.kernels)",
+}
+
+
+def model_types() -> list[str]:
+    """The installed mlx-lm's model types: each module of `mlx_lm/models/` that defines or
+    imports both `Model` and `ModelArgs` (read from the source, nothing imported)."""
+    found = []
+    for path in sorted(Path(mlx_lm.models.__path__[0]).glob("*.py")):
+        names: set[str] = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.ImportFrom):
+                names.update(a.asname or a.name for a in node.names)
+        if {"Model", "ModelArgs"} <= names:
+            found.append(path.stem)
+    return found
+
+
+def test_every_model_type_of_the_installed_mlx_lm_has_a_config() -> None:
+    missing = sorted(set(model_types()) - set(tiny_archs.CONFIGS))
+    assert not missing, f"model types without a tiny config in tests/engine/tiny_archs.py: {missing}"
+    assert not set(tiny_archs.CONFIGS) - set(model_types()), "configs of types mlx-lm does not ship"
+    assert set(EXPECTED_FAIL) <= set(tiny_archs.CONFIGS)
+
+
+def _reference(model: object, prompt: list[int], max_tokens: int) -> list[int]:
+    steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens, prefill_step_size=STEP)
+    return [int(token) for token, _ in steps]
+
+
+@pytest.mark.parametrize("model_type", sorted(tiny_archs.CONFIGS, key=str.lower))
+def test_greedy_output_equals_mlx_lm(model_type: str, make_engine: Callable[..., Harness]) -> None:
+    if model_type in EXPECTED_FAIL:
+        pytest.xfail(EXPECTED_FAIL[model_type])
+    model = tiny_archs.build(model_type)
+    layout = probe_cache_layout(model, weights_loaded=True)
+    loaded = LoadedModel(model=model, tokenizer=None, model_id=model_type, path="",
+                         geometry=geometry_for(model, layout), backend="cpu",
+                         context_length=4096, weight_bytes=0, layout=layout)
+    rng = random.Random(model_type)
+    vocab = min(layout.vocab_size, tiny_archs.VOCAB)
+    shapes = [FIRST, *TOGETHER]
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n, _ in shapes]
+    expected = [_reference(model, p, n) for p, (_, n) in zip(prompts, shapes, strict=True)]
+    requests = [
+        EngineRequest(f"r{i}", tuple(p), n, SamplingParams(temperature=0.0))
+        for i, (p, (_, n)) in enumerate(zip(prompts, shapes, strict=True))
+    ]
+    h = make_engine(loaded=loaded, prefill_step_size=STEP, prefix_cache_bytes=1 << 24)
+    paged = isinstance(h.core.store, KVStore)
+
+    def run(batch: list[EngineRequest]) -> list[list[int]]:
+        for r in batch:
+            h.submit(r)
+        h.run_until(lambda: all(r.request_id in h.out.finished for r in batch), max_steps=500)
+        return [h.out.tokens[r.request_id] for r in batch]
+
+    assert run(requests[:1]) == expected[:1], "alone"
+    assert run(requests[1:]) == expected[1:], "four at once"
+    assert h.core.batch.max_batch_seen >= 3
+    assert run([dataclasses.replace(requests[0], request_id="again")]) == expected[:1], "again"
+    if paged:
+        assert h.out.cached["again"] > 0, "the repeat is a prefix-cache hit"
+    assert h.core.store.requests == {}
