@@ -45,13 +45,17 @@ def read_model_spec(model: str, *, load_format: str = "auto", dtype: str | None 
     """The spec of what ``load_model(model, load_format=..., dtype=...)`` would load."""
     if load_format == "dummy":
         return _dummy_spec(model, dtype, name or model)
+    from engine.gguf import GGUFError
     from engine.named_models import gguf_header, local_directory, public_name
 
-    ready = local_directory(model)  # a named model or a GGUF already built or converted
+    try:
+        ready = local_directory(model)  # a named model or a GGUF already built or converted
+        header = None if ready is not None else gguf_header(model)  # a GGUF not converted yet
+    except (GGUFError, FileNotFoundError) as exc:
+        raise ModelSpecError(str(exc)) from exc
     if ready is not None:
         return spec_from_directory(ready, name or public_name(model))
-    header = gguf_header(model)  # a GGUF not yet converted: sized from its header
-    if header is not None:
+    if header is not None:  # sized from its header
         return spec_from_gguf(header, name or public_name(model))
     path = Path(model)
     if path.is_dir():
