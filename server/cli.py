@@ -40,7 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     serve.add_argument(
         "--model", action="append",
-        help="mlx-lm model directory or hub id ('default': the embedded tiny model); repeat it "
+        help="mlx-lm model directory, hub id or .gguf file ('tiny': the embedded random model; "
+        "'gemma-3-270m': Gemma 3 270M from the [gemma] extra; 'default', when unset: Gemma if "
+        "installed, else tiny); repeat it "
         "to load several models (the first is the default one)",
     )
     serve.add_argument(
