@@ -196,11 +196,17 @@ class Admission:
         admitted: list[Sequence],
         allocated_kv: int,
         evictable: int,
-    ) -> tuple[Decision, bool]:
+        *,
+        reusable: bool = False,
+    ) -> tuple[Decision, bool, bool]:
         """Can the request's whole reservation be had, with room left for prefill chunks?
 
-        Returns the decision and whether the store must size a new segment exactly to
-        the request (when a full default-size segment would not fit but the request does).
+        Returns the decision, whether the store must size a new segment exactly to the
+        request (when a full default-size segment would not fit but the request does), and
+        whether the reservation is to take blocks the prefix cache holds in a live segment
+        instead (`reusable`: the engine found such a segment). A new segment is preferred
+        when it fits: the cache keeps its blocks; else the cached blocks go before a segment
+        is sized exactly, or anyone waits.
 
         Admission leaves headroom for the largest full-size chunk among the admitted
         requests and this one; without it, reservations could fill the ceiling and leave
@@ -213,10 +219,11 @@ class Admission:
         floor = max(min(self.min_chunk_tokens, seq.remaining_prefill), 1)
         solo = self.solo_bytes(seq, floor)
 
-        def ask(chunk: int, exact: bool = False) -> Decision:
+        def ask(chunk: int, exact: bool = False, in_place: bool = False) -> Decision:
+            growth = 0 if in_place else self.growth_bytes(seq, exact=exact)
             return self._ask(
                 AdmissionQuery(
-                    predicted_bytes=self.growth_bytes(seq, exact=exact) + chunk,
+                    predicted_bytes=growth + chunk,
                     committed_bytes=max(before - allocated_kv, 0),
                     evictable_bytes=evictable,
                     releasable_bytes=max(before, allocated_kv),
@@ -232,6 +239,10 @@ class Admission:
         )
         go = (Outcome.ADMIT, Outcome.EVICT)
         decision = ask(full)
+        if decision.outcome is not Outcome.ADMIT and reusable:
+            reuse = ask(full, in_place=True)
+            if reuse.outcome in go:
+                return reuse, False, True
         exact = False
         smaller = self.growth_bytes(seq, exact=True) < self.growth_bytes(seq, exact=False)
         if decision.outcome not in go and smaller:
@@ -241,8 +252,15 @@ class Admission:
         if decision.outcome not in go and not admitted:
             fallback = ask(self.chunk_prediction(seq, floor), exact=True)
             if fallback.outcome in go:
-                return fallback, True
-        return decision, exact
+                return fallback, True, False
+        return decision, exact, False
+
+    def headroom_bytes(self, tokens: int) -> int:
+        """A full prefill chunk of `tokens` at the start of a prompt, as predicted now: the
+        room the prefix cache leaves free under the ceiling."""
+        estimate = estimate_prefill(self.geometry, chunk_tokens=max(tokens, 1), context_tokens=0,
+                                    batch=1, backend=self.backend)
+        return self.tracker.predict(max(tokens, 1), estimate.total_bytes)
 
     def full_chunk_prediction(self, seq: Sequence) -> int:
         """A full-size chunk (joining the batch copies nothing: no join term)."""

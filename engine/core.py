@@ -25,7 +25,7 @@ from engine.errors import EngineStepError, InsufficientMemoryError, MemoryProbeU
 from engine.kv import KVGeometry, KVStore, install_attention_hook
 from engine.kv.store import default_segment_tokens
 from engine.loader import LoadedModel, device_memory_bytes, on_cuda_by_default
-from engine.prefix_cache import PrefixCache, PrefixCacheStats
+from engine.prefix import ChainKey, PrefixCache, PrefixCacheStats
 from engine.request import EngineRequest, RequestOutput
 from engine.runner import Runner
 from engine.sequence import RequestStatus, Sequence
@@ -54,8 +54,11 @@ class EngineConfig:
     prefill_step_size: int = 512
     max_concurrency: int = 32
     wait_timeout_s: float = 30.0
-    prefix_cache_bytes: int = 1 << 30
-    prefix_cache_entries: int = 16
+    # The prefix cache fills what admission leaves free under the memory ceiling and gives
+    # it back first (engine.prefix). A number caps it (0: off); None: the guard governs.
+    prefix_cache_bytes: int | None = None
+    prefix_cache_dir: str | None = None  # the disk tier (engine.prefix.disk); None: none
+    prefix_cache_disk_bytes: int = 16 << 30
     min_chunk_tokens: int = 32
     kv_block_size: int = 16
     kv_segment_tokens: int | None = None  # None: sized from the model (engine.kv.store)
@@ -105,6 +108,7 @@ class EngineStats:
     kv_block_size: int = 0
     kv_segments: int = 0
     prefix_cache: PrefixCacheStats | None = None
+    prefix_budget_bytes: int = 0  # what the prefix cache may hold now, under the ceiling
     steps: int = 0
     decode_steps: int = 0
     prefill_chunks: int = 0
@@ -201,9 +205,9 @@ class EngineCore:
             min_chunk_tokens=config.min_chunk_tokens, weight_bytes=loaded.weight_bytes,
         )
         self.prefix_cache = PrefixCache(
-            self.store, max_bytes=config.prefix_cache_bytes, max_entries=config.prefix_cache_entries,
-            min_hit_tokens=self.store.block_size,
+            self.store, max_bytes=config.prefix_cache_bytes, min_hit_tokens=self.store.block_size,
         )
+        self._prefix_budget = 0  # what the cache may hold now (the last upkeep's room)
         self.batch: Runner | DenseRunner
         if isinstance(self.store, DenseStore):
             self.batch = DenseRunner(self.model, self.store)
@@ -298,7 +302,8 @@ class EngineCore:
         if decoding:
             self.step_budget.observe_step(time.perf_counter() - started, self._prefill_s)
         if self.admission.upkeep_due():
-            self.admission.upkeep(self.admission.committed_bytes(self._admitted(), self._allocated_kv()))
+            self._trim_prefix_cache(self.admission.upkeep(
+                self.admission.committed_bytes(self._admitted(), self._allocated_kv())))
         progressed = bool(self._outputs or len(self.batch))
         worked = progressed or self._counters["prefill_chunks"] != chunks_before
         if worked and self._failed_steps == failures_before:
@@ -356,39 +361,86 @@ class EngineCore:
         """KV memory that admitted requests hold (their segments), all allocated up front."""
         return self.store.request_bytes()
 
-    def _protected(self) -> frozenset[tuple[int, ...]]:
+    def _protected(self) -> frozenset[ChainKey]:
         keys = {s.prefix_key for s in [*self.waiting, *self.prefilling] if s.prefix_key}
         return frozenset(keys)
+
+    def _trim_prefix_cache(self, decision: Decision) -> None:
+        """Once a second: the prefix cache may hold what is free under the ceiling (MLX's
+        buffer cache is free too: it is handed back first). When the process is over it
+        (the ceiling fell, or memory is used elsewhere), the cache's least recently used
+        segments go until room for the smallest prefill chunk is left. Otherwise admission
+        evicts, when a request needs the room."""
+        if decision.outcome not in (Outcome.ADMIT, Outcome.EVICT) or decision.code:
+            return
+        held = decision.needed_bytes - decision.cache_bytes
+        self._prefix_budget = max(decision.limit_bytes - held, 0) + self.prefix_cache.nbytes
+        if held > decision.limit_bytes:
+            margin = self.admission.headroom_bytes(self.config.min_chunk_tokens)
+            self.prefix_cache.evict(held - decision.limit_bytes + margin, self._protected(), cause="ceiling")
+            self.admission.hand_back()
 
     def _schedule_waiting(self) -> None:
         """Admit waiting requests first come, first served, while they fit."""
         now = self.clock()
         while self.waiting and len(self._admitted()) < self.config.max_concurrency:
             seq = self.waiting[0]
-            if not seq.looked_up:
-                self._lookup_prefix(seq)
-            decision, exact = self.admission.preflight(
+            self._lookup_prefix(seq)
+            reuse = self._reusable_segment(seq)
+            decision, exact, in_place = self.admission.preflight(
                 seq, self._admitted(), self._allocated_kv(),
-                self.prefix_cache.evictable_bytes(self._protected()),
+                self.prefix_cache.evictable_bytes(self._protected()), reusable=reuse is not None,
             )
             if not self._act_on(seq, decision, now):
                 return
             self.waiting.popleft()
+            if in_place and reuse is not None:
+                self._evict_in_place(seq, reuse)
             self._reserve(seq, exact=exact)
             seq.status = RequestStatus.PREFILLING
             seq.wait_since = None
             self.prefilling.append(seq)
 
     def _lookup_prefix(self, seq: Sequence) -> None:
-        seq.looked_up = True
+        """Ask the prefix cache, again at every admission attempt (what it holds changes
+        while a request waits); the hit and miss counters count a request once."""
+        first, seq.looked_up = not seq.looked_up, True
+        seq.shared = seq.prefix_key = None
+        seq.processed = seq.cached_tokens = 0
         if seq.scores_prompt:
             return  # a cached prefix has no logits to score: recompute it (engine.prompt_scoring)
-        hit = self.prefix_cache.lookup(seq.request.prompt_tokens)
+        hit = self.prefix_cache.lookup(seq.request.prompt_tokens, count=first, memo=seq.chain)
         if hit is None:
             return
         seq.shared = hit.prefix
         seq.processed = seq.cached_tokens = hit.cached_tokens
         seq.prefix_key = hit.key
+
+    def _reusable_segment(self, seq: Sequence) -> int | None:
+        """When no segment has the request's blocks free, one where evicting cached blocks
+        would make them free (its hit's segment first): a reservation there needs no new
+        segment. None when a segment has room anyway, or none could."""
+        if not isinstance(self.store, KVStore) or not len(self.prefix_cache):
+            return None
+        if self.admission.growth_bytes(seq, exact=True) == 0:
+            return None
+        need = self.store.blocks_for(seq.final_len)
+        if seq.shared is not None:
+            own = need - seq.shared.tokens // self.store.block_size
+            segment = seq.shared.segment_id
+            if self.prefix_cache.room_in_segment(own, self._protected(), only=segment) is not None:
+                return segment
+        return self.prefix_cache.room_in_segment(need, self._protected())
+
+    def _evict_in_place(self, seq: Sequence, segment_id: int) -> None:
+        """Make the request's blocks free in `segment_id` by evicting cached blocks there."""
+        assert isinstance(self.store, KVStore)
+        need = self.store.blocks_for(seq.final_len)
+        if seq.shared is not None and seq.shared.segment_id == segment_id:
+            need -= seq.shared.tokens // self.store.block_size
+        store = self.store
+        self.prefix_cache.evict_in_segment(segment_id, lambda: store.free_blocks(segment_id) >= need,
+                                           self._protected())
 
     def _reserve(self, seq: Sequence, *, exact: bool) -> None:
         """The request's KV, allocated now for its whole life (prompt + max_tokens)."""
@@ -646,6 +698,7 @@ class EngineCore:
         for item in produced:
             seq = item.seq
             seq.generated += 1
+            seq.outputs.append(item.token)
             status = None
             if item.token in seq.request.stop_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
@@ -667,7 +720,19 @@ class EngineCore:
                 )
         self.batch.remove(finished)
         for seq in finished:
+            self._cache_conversation(seq)
             self._drop_kv(seq)
+
+    def _cache_conversation(self, seq: Sequence) -> None:
+        """A finished request's prompt and answer stay in the prefix cache: the next turn of
+        the conversation sends both back, and finds them."""
+        if not seq.has_kv or seq.scores_prompt:
+            return
+        tokens = (*seq.request.prompt_tokens, *seq.outputs)
+        written = self.store.get(seq.request_id).length
+        prefix = self.store.hold_prefix(seq.request_id, min(written, len(tokens)))
+        if prefix is not None:
+            self.prefix_cache.insert(tokens[: prefix.tokens], prefix)
 
     def _drop_kv(self, seq: Sequence) -> None:
         if seq.has_kv:
@@ -788,6 +853,7 @@ class EngineCore:
             kv_block_size=kv.block_size,
             kv_segments=kv.segments,
             prefix_cache=self.prefix_cache.stats(),
+            prefix_budget_bytes=max(self._prefix_budget, self.prefix_cache.nbytes),
             steps=c["steps"],
             decode_steps=c["decode_steps"],
             prefill_chunks=c["prefill_chunks"],

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.kv import SharedPrefix
-from engine.prefix_cache import TokenKey
+from engine.prefix import ChainKey
 from engine.request import EngineRequest, RequestStatus, TokenLogprob
 
 
@@ -18,8 +18,10 @@ class Sequence:
     has_kv: bool = False  # holds a reservation in the engine's KV store
     processed: int = 0  # prompt tokens already in the KV cache
     cached_tokens: int = 0  # of those, how many came from the prefix cache
-    prefix_key: TokenKey | None = None
+    prefix_key: ChainKey | None = None  # the prefix-cache block its hit ends in
+    chain: list[ChainKey] = field(default_factory=list)  # its prompt's block digests, as looked up
     generated: int = 0
+    outputs: list[int] = field(default_factory=list)  # the tokens generated
     wait_since: float | None = None  # when admission first said WAIT
     chunk_tokens: int = 0  # current prefill chunk size (shrinks under memory pressure)
     passed_over: int = 0  # steps in which others prefilled and it did not (engine.step_budget.prefill_order)

@@ -91,6 +91,14 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-group-size", type=int, choices=[32, 64, 128],
                        help="values per scale and bias of quantized KV (default 64; must divide "
                        "the model's head_dim)")
+    serve.add_argument("--prefix-cache-bytes", type=int,
+                       help="cap the prefix cache (0: off; default: no cap, it fills what admission "
+                       "leaves free under the memory ceiling and is evicted first)")
+    serve.add_argument("--prefix-cache-dir",
+                       help="keep blocks evicted from the prefix cache in this directory, read back on "
+                       "a later hit when that is faster than prefilling; survives restarts (default: off)")
+    serve.add_argument("--prefix-cache-disk-bytes", type=int,
+                       help="the prefix cache directory's size, at most (default 16 GiB)")
     serve.add_argument("--gil-switch-interval-ms", type=float,
                        help="how long a thread waiting for Python's GIL waits before the holder is made "
                        "to let go, while the engine runs (sys.setswitchinterval; default 1)")

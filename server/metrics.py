@@ -62,14 +62,21 @@ class EngineCollector(Collector):
         for name, doc, value in (
             ("hits", "prefix-cache lookups that reused a cached prefix", prefix.hits if prefix else 0),
             ("misses", "prefix-cache lookups that found nothing", prefix.misses if prefix else 0),
-            ("evictions", "prefix-cache entries evicted", prefix.evictions if prefix else 0),
+            ("hit_tokens", "prompt tokens served from the prefix cache", prefix.hit_tokens if prefix else 0),
         ):
             yield CounterMetricFamily(f"mlx_headroom_prefix_cache_{name}", doc, value=value)
+        evictions = CounterMetricFamily("mlx_headroom_prefix_cache_evictions",
+                                        "prefix-cache blocks evicted from memory, by cause", labels=["cause"])
+        for cause, count in (prefix.evictions_by_cause if prefix else {}).items():
+            evictions.add_metric([cause], count)
+        yield evictions
         yield GaugeMetricFamily("mlx_headroom_prefix_cache_bytes", "bytes held by the prefix cache",
                                 value=prefix.bytes if prefix else 0)
-        yield GaugeMetricFamily("mlx_headroom_prefix_cache_max_bytes", "the prefix cache's limit",
-                                value=prefix.max_bytes if prefix else 0)
-        yield GaugeMetricFamily("mlx_headroom_prefix_cache_entries", "entries in the prefix cache",
+        limit = prefix.max_bytes if prefix and prefix.max_bytes is not None else stats.prefix_budget_bytes
+        yield GaugeMetricFamily("mlx_headroom_prefix_cache_max_bytes",
+                                "the prefix cache's limit: an operator's cap, else what the guard leaves it",
+                                value=limit)
+        yield GaugeMetricFamily("mlx_headroom_prefix_cache_entries", "blocks in the prefix cache",
                                 value=prefix.entries if prefix else 0)
 
 

@@ -125,8 +125,15 @@ class Settings(BaseSettings):
     memory_reading_max_age_s: float = Field(
         2.0, gt=0, description="an older probe reading is read again, and never refuses a request"
     )
-    prefix_cache_bytes: int = Field(2 * GiB, ge=0)
-    prefix_cache_entries: int = Field(16, ge=0)
+    prefix_cache_bytes: int | None = Field(
+        None, ge=0, description="cap the prefix cache at this many bytes (0: off); unset, it fills "
+        "what admission leaves free under the memory ceiling, and admission takes it back first",
+    )
+    prefix_cache_dir: str | None = Field(
+        None, description="a directory for the prefix cache's disk tier: blocks evicted from memory "
+        "are written there and read back on a later hit (engine.prefix.disk); unset: no disk tier",
+    )
+    prefix_cache_disk_bytes: int = Field(16 * GiB, ge=0, description="the disk tier's size, at most")
 
     # tensor parallel (engine.distributed): N ranks started by MLX's launcher, rank 0 serves
     tensor_parallel: int = Field(1, ge=1, description="ranks the model is split across (1: one device)")

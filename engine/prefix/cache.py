@@ -1,0 +1,393 @@
+"""The prefix cache: the KV store's blocks indexed by the hash of their block chain.
+
+Each cached block is a node keyed by ``digest(parent's digest, the block's tokens)``
+(vLLM's automatic prefix caching), so a node names its whole prefix, and a lookup walks
+the prompt block by block through dictionaries: it costs the prompt's length, never the
+number of cached conversations. A node holds one reference on its block of the store; a
+request that hits references the same full blocks (no copy), and copies the few tokens
+of a partly filled last block (copy-on-write of at most one block). A partly filled
+block is cached too, as a leaf: a prompt that ends mid-block, or a conversation's last
+turn, is found whole.
+
+Budget. By default there is no byte or entry cap: cached blocks live in the store's
+segments, which admission let grow under the memory ceiling, and admission takes them
+back when a request needs the memory (`evict`, `evict_in_segment`), least recently used
+first. An operator may still set `max_bytes`.
+
+Recency. `_lru` lists the nodes least recently used first, and a node always comes
+before its parent: a hit or an insertion moves its chain to the end leaf first, root
+last. Evicting from the front therefore removes leaves, so a conversation loses its
+last turns before the system prompt it shares with others ("a prefix of a prefix").
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from engine.kv.store import SharedPrefix
+
+ChainKey = bytes  # the digest of a block chain: names a prefix of whole and partial blocks
+
+ROOT: ChainKey = b""
+
+# Why an entry left memory.
+CAUSES = ("admission", "ceiling", "cap")
+
+
+def chain_digest(parent: ChainKey, tokens: Seq[int]) -> ChainKey:
+    """The key of a block whose tokens are `tokens`, after the chain `parent`. Stable
+    across processes (the disk tier names its files by it)."""
+    data = np.asarray(tokens, dtype="<i8").tobytes()
+    return hashlib.blake2b(parent + data, digest_size=16).digest()
+
+
+class BlockStore(Protocol):
+    """What the cache needs of the KV store (the dense store answers with no holds)."""
+
+    block_size: int
+    block_bytes: int
+
+    def drop_prefix(self, prefix: SharedPrefix) -> None: ...
+    def pool_bytes(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    key: ChainKey  # the deepest cached node the hit uses
+    cached_tokens: int
+    prefix: SharedPrefix
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    bytes: int
+    entries: int  # cached blocks
+    hits: int
+    misses: int
+    hit_tokens: int
+    evictions: int  # blocks evicted, all causes
+    evictions_by_cause: dict[str, int]
+    max_bytes: int | None  # an operator's cap; None: the memory guard governs
+    disk: dict[str, int] | None = None  # the disk tier's figures (engine.prefix.disk)
+
+
+@dataclass(eq=False)
+class _Node:
+    key: ChainKey
+    parent: _Node | None
+    tokens: tuple[int, ...]
+    segment_id: int
+    block: int
+    end: int  # tokens from the start of the chain through this block
+    children: dict[ChainKey, _Node] = field(default_factory=dict)
+
+    def chain(self) -> list[_Node]:
+        """Root first."""
+        out: list[_Node] = []
+        node: _Node | None = self
+        while node is not None:
+            out.append(node)
+            node = node.parent
+        return out[::-1]
+
+
+def _common(a: Seq[int], b: Seq[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class PrefixCache:
+    def __init__(self, store: BlockStore, *, max_bytes: int | None = None, min_hit_tokens: int = 1) -> None:
+        self.store = store
+        self.block_size = store.block_size
+        self.max_bytes = max_bytes
+        # A shorter shared prefix is a miss. The engine passes a block: below that a hit
+        # saves nothing (a chat template's first few tokens) yet costs a copy-on-write of
+        # the block and moves the prompt's chunks off offset 0, where batched prefill rows
+        # keep the fused causal path.
+        self.min_hit_tokens = max(min_hit_tokens, 1)
+        self._roots: dict[ChainKey, _Node] = {}
+        self._lru: OrderedDict[ChainKey, _Node] = OrderedDict()  # least recent first, children before parents
+        self._by_segment: dict[int, dict[int, int]] = {}  # segment -> block -> the cache's holds
+        self.hits = 0
+        self.misses = 0
+        self.hit_tokens = 0
+        self.evicted: dict[str, int] = dict.fromkeys(CAUSES, 0)
+        # Called with each node's chain key, tokens and block before it leaves memory (the
+        # disk tier writes it there); None: evicted blocks are gone.
+        self.on_evict: Callable[[ChainKey, ChainKey, tuple[int, ...], int, int], None] | None = None
+
+    # ---- sizes -----------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        return len(self._lru) * self.store.block_bytes
+
+    @property
+    def evictions(self) -> int:
+        return sum(self.evicted.values())
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._lru
+
+    # ---- lookup ----------------------------------------------------------------------
+    def lookup(self, tokens: Seq[int], *, count: bool = True,
+               memo: list[ChainKey] | None = None) -> PrefixHit | None:
+        """The longest cached prefix of `tokens`, at most `len(tokens) - 1` of them (the last
+        prompt token must run through the model to give the first output token), in one
+        segment of the store. `count`: a lookup repeated for the same request says False;
+        `memo` keeps the prompt's block digests between its lookups."""
+        hit = self._walk(tokens, [] if memo is None else memo)
+        if hit is None or hit.cached_tokens < self.min_hit_tokens:
+            self.misses += count
+            return None
+        if count:
+            self.hits += 1
+            self.hit_tokens += hit.cached_tokens
+        self._touch(self._lru[hit.key])
+        return hit
+
+    def _walk(self, tokens: Seq[int], memo: list[ChainKey]) -> PrefixHit | None:
+        bs = self.block_size
+        query = tuple(tokens[: max(len(tokens) - 1, 0)])
+        children = self._roots
+        chain: list[_Node] = []
+        key = ROOT
+        for i, start in enumerate(range(0, len(query) - bs + 1, bs)):
+            if i == len(memo):
+                memo.append(chain_digest(key, query[start : start + bs]))
+            node = children.get(memo[i])
+            if node is None or (chain and node.segment_id != chain[0].segment_id):
+                break
+            chain.append(node)
+            key, children = node.key, node.children
+        matched = len(chain) * bs
+        rest = query[matched : matched + bs]
+        best, best_n = None, 0
+        for child in children.values():
+            if chain and child.segment_id != chain[0].segment_id:
+                continue
+            n = _common(child.tokens, rest)
+            if n > best_n:
+                best, best_n = child, n
+        if best is not None:
+            chain.append(best)
+        if not chain:
+            return None
+        total = matched + best_n
+        prefix = SharedPrefix(chain[0].segment_id, tuple(n.block for n in chain), total)
+        return PrefixHit(chain[-1].key, total, prefix)
+
+    # ---- insertion -------------------------------------------------------------------
+    def insert(self, tokens: Seq[int], prefix: SharedPrefix) -> None:
+        """Cache the blocks of `prefix` (the KV of `tokens`: a hold on each block, which the
+        cache takes over). Blocks already cached keep theirs and the new hold is dropped;
+        a partly filled block that a new block extends is replaced by it."""
+        bs = self.block_size
+        tokens = tuple(tokens)
+        if len(tokens) != prefix.tokens or not prefix.blocks or self.max_bytes == 0:
+            self.store.drop_prefix(prefix)
+            return
+        seg = prefix.segment_id
+        parent: _Node | None = None
+        children = self._roots
+        added: list[_Node] = []
+        surplus: list[int] = []  # holds the cache already has
+        for i, block in enumerate(prefix.blocks):
+            piece = tokens[i * bs : (i + 1) * bs]
+            key = chain_digest(parent.key if parent else ROOT, piece)
+            node = children.get(key)
+            if node is not None and node.segment_id != seg and i < len(prefix.blocks) - 1:
+                # The chain goes on in the request's segment: move the node there, so that a
+                # hit on the whole chain lends blocks of one segment.
+                self._release(node)
+                node.segment_id, node.block = seg, block
+                self._hold(node)
+            elif node is not None:
+                surplus.append(block)
+            elif len(piece) < bs and any(c.tokens[: len(piece)] == piece for c in children.values()):
+                surplus.append(block)  # a cached block already holds these tokens
+                break
+            else:
+                for sibling in [c for c in children.values() if len(c.tokens) < len(piece)
+                                and piece[: len(c.tokens)] == c.tokens and not c.children]:
+                    self._remove(sibling)  # a partial block this one extends
+                node = _Node(key, parent, piece, seg, block, i * bs + len(piece))
+                children[key] = node
+                self._hold(node)
+                added.append(node)
+            parent, children = node, node.children
+        if surplus:
+            self.store.drop_prefix(SharedPrefix(seg, tuple(surplus), 0))
+        if parent is not None:
+            for node in added:
+                self._lru[node.key] = node
+            self._touch(parent)
+        self._enforce_cap()
+
+    # ---- eviction --------------------------------------------------------------------
+    def evictable_bytes(self, protect: frozenset[ChainKey] = frozenset()) -> int:
+        """Device memory that evicting every unprotected block would return: the segments
+        that only the cache holds. Blocks freed inside a live segment only make room there
+        (`room_in_segment`, `evict_in_segment`)."""
+        pinned = self._pinned_segments(protect)
+        return sum(n for sid, n in self._cache_only_segments() if sid not in pinned)
+
+    def evict(self, nbytes: int, protect: frozenset[ChainKey] = frozenset(), *,
+              cause: str = "admission") -> int:
+        """Free `nbytes` of device memory: the least recently used segments that only the
+        cache holds (never one holding a protected chain) go whole, leaves first. Returns
+        the bytes freed."""
+        if nbytes <= 0:
+            return 0
+        pinned = self._pinned_segments(protect)
+        candidates = {sid for sid, _ in self._cache_only_segments() if sid not in pinned}
+        order: list[int] = []  # by most recent use, least recent first
+        for node in reversed(self._lru.values()):
+            if node.segment_id in candidates and node.segment_id not in order:
+                order.append(node.segment_id)
+        freed = 0
+        for sid in reversed(order):
+            if freed >= nbytes:
+                break
+            before = self.store.pool_bytes()
+            for node in [n for n in self._lru.values() if n.segment_id == sid]:
+                if node.key in self._lru:
+                    self._evict_subtree(node, cause)
+            freed += before - self.store.pool_bytes()
+        return freed
+
+    def room_in_segment(self, blocks: int, protect: frozenset[ChainKey] = frozenset(),
+                        only: int | None = None) -> int | None:
+        """A segment (`only` that one) where `blocks` blocks would be free once unprotected
+        cached blocks are evicted there (the one with the most free already), or None."""
+        reusable = getattr(self.store, "reusable_blocks", None)
+        if reusable is None:
+            return None
+        pinned = self._pinned_keys(protect)
+        best: tuple[int, int] | None = None
+        for sid, held in self._by_segment.items():
+            if only is not None and sid != only:
+                continue
+            keep = {self._lru[k].block for k in pinned if self._lru[k].segment_id == sid}
+            free, could = reusable(sid, {b: n for b, n in held.items() if b not in keep})
+            if free + could >= blocks and (best is None or free > best[1]):
+                best = (sid, free)
+        return None if best is None else best[0]
+
+    def evict_in_segment(self, segment_id: int, enough: Callable[[], bool],
+                         protect: frozenset[ChainKey] = frozenset()) -> int:
+        """Evict the segment's least recently used blocks, leaves first, until `enough()`.
+        Returns the blocks evicted."""
+        pinned = self._pinned_keys(protect)
+        count = 0
+        for node in [n for n in self._lru.values() if n.segment_id == segment_id]:
+            if enough():
+                break
+            if node.key in self._lru and node.key not in pinned:
+                count += self._evict_subtree(node, "admission")
+        return count
+
+    def evict_lru(self, blocks: int, *, cause: str) -> int:
+        """Evict the least recently used `blocks` blocks, leaves first, wherever they are."""
+        count = 0
+        while self._lru and count < blocks:
+            count += self._evict_subtree(next(iter(self._lru.values())), cause)
+        return count
+
+    def clear(self) -> None:
+        """Drop everything (no eviction counted: a failed step or the warm-up)."""
+        for node in list(self._lru.values()):
+            if node.key in self._lru:
+                self._remove_subtree(node)
+
+    def nodes(self) -> Iterator[tuple[ChainKey, ChainKey, tuple[int, ...], int, int]]:
+        """(key, parent key, tokens, segment id, block) of every cached block, root first
+        along each chain."""
+        for node in reversed(self._lru.values()):
+            yield node.key, node.parent.key if node.parent else ROOT, node.tokens, node.segment_id, node.block
+
+    def stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(
+            self.nbytes, len(self._lru), self.hits, self.misses, self.hit_tokens,
+            self.evictions, dict(self.evicted), self.max_bytes,
+        )
+
+    # ---- internals -------------------------------------------------------------------
+    def _touch(self, node: _Node) -> None:
+        """Most recently used: the chain moves to the end, leaf first, root last."""
+        n: _Node | None = node
+        while n is not None:
+            self._lru.move_to_end(n.key)
+            n = n.parent
+
+    def _pinned_keys(self, protect: frozenset[ChainKey]) -> set[ChainKey]:
+        out: set[ChainKey] = set()
+        for key in protect:
+            node = self._lru.get(key)
+            while node is not None and node.key not in out:
+                out.add(node.key)
+                node = node.parent
+        return out
+
+    def _pinned_segments(self, protect: frozenset[ChainKey]) -> set[int]:
+        return {self._lru[k].segment_id for k in self._pinned_keys(protect)}
+
+    def _evict_subtree(self, node: _Node, cause: str) -> int:
+        count = 0
+        for child in list(node.children.values()):
+            count += self._evict_subtree(child, cause)
+        if self.on_evict is not None:
+            self.on_evict(node.key, node.parent.key if node.parent else ROOT, node.tokens,
+                          node.segment_id, node.block)
+        self._remove(node)
+        self.evicted[cause] += 1
+        return count + 1
+
+    def _remove_subtree(self, node: _Node) -> None:
+        for child in list(node.children.values()):
+            self._remove_subtree(child)
+        self._remove(node)
+
+    def _remove(self, node: _Node) -> None:
+        siblings = node.parent.children if node.parent is not None else self._roots
+        siblings.pop(node.key, None)
+        self._lru.pop(node.key, None)
+        self._release(node)
+
+    def _hold(self, node: _Node) -> None:
+        held = self._by_segment.setdefault(node.segment_id, {})
+        held[node.block] = held.get(node.block, 0) + 1
+
+    def _release(self, node: _Node) -> None:
+        held = self._by_segment[node.segment_id]
+        held[node.block] -= 1
+        if not held[node.block]:
+            del held[node.block]
+            if not held:
+                del self._by_segment[node.segment_id]
+        self.store.drop_prefix(SharedPrefix(node.segment_id, (node.block,), 0))
+
+    def _cache_only_segments(self) -> list[tuple[int, int]]:
+        only = getattr(self.store, "cache_only_segments", None)
+        return [] if only is None else only(self._by_segment)
+
+    def _enforce_cap(self) -> None:
+        if self.max_bytes is None:
+            return
+        over = self.nbytes - self.max_bytes
+        if over > 0:
+            self.evict_lru(-(-over // self.store.block_bytes), cause="cap")
