@@ -133,7 +133,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> JSONRespo
                            messages_param="input", format_param="text.format")
     prepared = prepare(
         prompt_tokens=plan.tokens, body=_Sampling(body.max_output_tokens, body.temperature, body.top_p),
-        context_length=state.context_length, default_max_tokens=state.settings.default_max_tokens,
+        # No max_output_tokens (Codex sends none) means up to the room left, as at OpenAI: the
+        # server's default_max_tokens would cut a long answer short and fail the agent's turn.
+        context_length=state.context_length, default_max_tokens=state.settings.max_tokens_cap,
         max_tokens_cap=state.settings.max_tokens_cap, logprobs=False, top_logprobs=0,
         new_processor=plan.new_processor, prompt_param="input",
     )

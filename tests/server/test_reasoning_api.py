@@ -4,30 +4,22 @@ server.
 The model is the tiny model with `<think>` and `</think>` as added tokens (so mlx-lm's
 tokenizer reports `has_thinking`) and a template that opens the block in its generation
 prompt, as Qwen3's thinking models and the DeepSeek-R1 distills do. Its weights are
-random, so it is wrapped to write a scripted output: each call returns logits that pick
-the script's next token (a prompt starts the script over).
+random, so it is wrapped to write a scripted output (tests/server/scripted.py).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import pytest
-import uvicorn
 
-from engine import LoadedModel, load_model
 from engine.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS, TinyModelShape, _config, _weights, tokenizer_json
-from server.app import create_app
-from server.settings import Settings
-from tests.conftest import free_port
+from tests.server.scripted import ScriptedModel, scripted_server
 
 MODEL = "tiny-thinker"
 THINK = ("<think>", "</think>")
@@ -77,60 +69,11 @@ def token_ids(text: str) -> list[int]:
     return ids
 
 
-class ScriptedModel:
-    """Forwards to the real model (its caches fill as usual); the logits pick the script."""
-
-    def __init__(self, model: Any) -> None:
-        self._model = model
-        self.script: list[int] = []
-        self._step = 0
-        self._forced = -1
-
-    def say(self, text: str) -> None:
-        self.script = token_ids(text)
-
-    def __call__(self, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        import mlx.core as mx
-
-        logits = self._model(inputs, *args, **kwargs)
-        # A decode step's input is the token forced last; anything else is (the end of) a
-        # prompt, whose logits are the first the request samples.
-        if inputs.shape[1] > 1 or self._step == 0 or inputs[0, -1].item() != self._forced:
-            self._step = 0
-        token = self.script[self._step] if self._step < len(self.script) else EOS
-        self._step += 1
-        self._forced = token
-        row = np.full(logits.shape[-1], -1e4, np.float32)
-        row[token] = 1e4
-        return logits * 0 + mx.array(row)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)
-
-
 @pytest.fixture(scope="module")
 def thinker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, ScriptedModel]]:
     path = build_thinking_model(tmp_path_factory.mktemp("thinker") / "model")
-    holder: dict[str, ScriptedModel] = {}
-
-    def load() -> LoadedModel:
-        loaded = load_model(str(path), model_id=MODEL)
-        assert loaded.tokenizer.has_thinking and loaded.tokenizer.think_start == "<think>"
-        holder["model"] = ScriptedModel(loaded.model)
-        return LoadedModel(**{**loaded.__dict__, "model": holder["model"]})
-
-    port = free_port()
-    app = create_app(Settings(model=str(path), served_model_name=MODEL), load=load)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)  # polling for readiness
-    assert server.started
-    yield f"http://127.0.0.1:{port}", holder["model"]
-    server.should_exit = True
-    thread.join(30)
+    with scripted_server(path, MODEL, EOS, token_ids) as (url, model):
+        yield url, model
 
 
 _asked = iter(range(10**6))

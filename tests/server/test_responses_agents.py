@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from engine.tiny_model import SPECIAL_TOKENS
 from tests.conftest import MODEL, ServerProcess
 
 CORPUS = sorted((Path(__file__).parent / "codex_corpus").glob("*.json"))
@@ -223,3 +224,20 @@ def test_an_error_after_the_stream_started_is_response_failed(tiny_model_path, t
     assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
     error = failed["response"]["error"]
     assert error["code"] == "server_error" and "injected engine bug" in error["message"]
+
+
+def test_no_max_output_tokens_means_up_to_the_room_not_the_server_default(tiny_model_path):
+    """Codex sends no max_output_tokens: a long answer must end `completed`, not cut at the
+    server's default_max_tokens (an `incomplete` response fails Codex's turn)."""
+    from tests.server.scripted import scripted_server
+
+    eos = 256 + SPECIAL_TOKENS.index("<|im_end|>")
+    with scripted_server(tiny_model_path, MODEL, eos, lambda t: list(t.encode()),
+                         default_max_tokens=16) as (url, model):
+        model.say("word " * 10)
+        r = httpx.post(url + "/v1/responses", timeout=120, json={"model": MODEL, "input": "Hi"})
+        assert r.status_code == 200, r.text
+        assert r.json()["status"] == "completed" and r.json()["usage"]["output_tokens"] == 50
+        r = httpx.post(url + "/v1/chat/completions", timeout=120,
+                       json={"model": MODEL, "messages": [{"role": "user", "content": "Hi there"}]})
+        assert r.json()["usage"]["completion_tokens"] == 16  # chat keeps the server's default

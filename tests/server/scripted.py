@@ -1,0 +1,84 @@
+"""A real server, in this process, whose model writes what the test says.
+
+The tiny models' weights are random; a test that needs a particular output (thinking, a
+call, an answer that ends) wraps the loaded model in `ScriptedModel`: it forwards each
+call to the real model, so the caches fill as usual, and returns logits that pick the
+script's next token. A prompt starts the script over; after it, the model writes EOS.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import uvicorn
+
+from engine import LoadedModel, load_model
+from server.app import create_app
+from server.settings import Settings
+from tests.conftest import free_port
+
+
+class ScriptedModel:
+    """Forwards to the real model; the logits pick the script's tokens, then `eos`."""
+
+    def __init__(self, model: Any, eos: int, encode: Callable[[str], list[int]]) -> None:
+        self._model = model
+        self._eos = eos
+        self._encode = encode
+        self.script: list[int] = []
+        self._step = 0
+        self._forced = -1
+
+    def say(self, text: str) -> None:
+        self.script = self._encode(text)
+
+    def __call__(self, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        import mlx.core as mx
+
+        logits = self._model(inputs, *args, **kwargs)
+        # A decode step's input is the token forced last; anything else is (the end of) a
+        # prompt, whose logits are the first the request samples.
+        if inputs.shape[1] > 1 or self._step == 0 or inputs[0, -1].item() != self._forced:
+            self._step = 0
+        token = self.script[self._step] if self._step < len(self.script) else self._eos
+        self._step += 1
+        self._forced = token
+        row = np.full(logits.shape[-1], -1e4, np.float32)
+        row[token] = 1e4
+        return logits * 0 + mx.array(row)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+@contextmanager
+def scripted_server(path: Path, model_id: str, eos: int, encode: Callable[[str], list[int]],
+                    **settings: Any) -> Iterator[tuple[str, ScriptedModel]]:
+    """(base URL, the scripted model) of a server on a free port, until the block ends."""
+    holder: dict[str, ScriptedModel] = {}
+
+    def load() -> LoadedModel:
+        loaded = load_model(str(path), model_id=model_id)
+        holder["model"] = ScriptedModel(loaded.model, eos, encode)
+        return LoadedModel(**{**loaded.__dict__, "model": holder["model"]})
+
+    port = free_port()
+    app = create_app(Settings(model=str(path), served_model_name=model_id, **settings), load=load)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling for readiness
+    assert server.started
+    try:
+        yield f"http://127.0.0.1:{port}", holder["model"]
+    finally:
+        server.should_exit = True
+        thread.join(30)
