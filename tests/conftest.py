@@ -191,4 +191,20 @@ def small_machine_short_wait(_small_machine_short_wait: ServerProcess) -> Server
     return reset_guard(_small_machine_short_wait)
 
 
+KEYS = ("api-key-123", "admin-key-456")
+"""The API key and the admin key of `keyed_server`."""
+
+
+@pytest.fixture(scope="session")
+def keyed_server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[ServerProcess]:
+    """One server that needs the API key for data and the admin key for admin routes."""
+    api, admin = KEYS
+    proc = ServerProcess(tiny_model_path, env={"MLX_HEADROOM_API_KEY": api,
+                                               "MLX_HEADROOM_ADMIN_KEY": admin}).start(
+        tmp_path_factory.mktemp("keyed"))
+    yield proc
+    proc.stop()
+
+
 MODEL = "mlx-headroom/tiny-chat"

@@ -11,10 +11,10 @@ import pytest
 
 from server.auth import check, is_loopback, startup_problem
 from server.settings import Settings
-from tests.conftest import ROOT, free_port
+from tests.conftest import KEYS, ROOT, free_port
 
 MODEL = "mlx-headroom/tiny-chat"
-API, ADMIN = "api-key-123", "admin-key-456"
+API, ADMIN = KEYS  # keyed_server's
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -96,16 +96,9 @@ def test_refuses_to_start_on_a_public_address_without_a_key(tiny_model_path, mon
     assert "--allow-unauthenticated" in proc.stderr
 
 
-@pytest.fixture(scope="module")
-def keyed(tiny_model_path, tmp_path_factory):
-    from tests.conftest import ServerProcess
-
-    proc = ServerProcess(
-        tiny_model_path,
-        env={"MLX_HEADROOM_API_KEY": API, "MLX_HEADROOM_ADMIN_KEY": ADMIN},
-    ).start(tmp_path_factory.mktemp("keyed"))
-    yield proc
-    proc.stop()
+@pytest.fixture
+def keyed(keyed_server):
+    return keyed_server
 
 
 @pytest.mark.parametrize("path", ["/v1/models", "/v1/memory", "/metrics", "/v1/version",

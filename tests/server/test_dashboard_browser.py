@@ -16,12 +16,12 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, ConsoleMessage, Page, Request, expect, sync_playwright
 
-from tests.conftest import ServerProcess, wait_until
+from tests.conftest import KEYS, ServerProcess, wait_until
 
 CHROMIUM = "/usr/bin/chromium"
 MODEL = "mlx-headroom/tiny-chat"
 GiB = 1 << 30
-API, ADMIN = "api-key-123", "admin-key-456"
+API, ADMIN = KEYS  # keyed_server's
 TIMEOUT_MS = 10_000
 
 
@@ -48,14 +48,6 @@ def open_server(tiny_model_path, tmp_path_factory) -> Iterator[ServerProcess]:
     own few MiB forces a refusal."""
     proc = ServerProcess(tiny_model_path, args=["--memory-probe", "allocator"]).start(
         tmp_path_factory.mktemp("dash_open"))
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def keyed_server(tiny_model_path, tmp_path_factory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tiny_model_path, args=["--api-key", API, "--admin-key", ADMIN]).start(
-        tmp_path_factory.mktemp("dash_keyed"))
     yield proc
     proc.stop()
 

@@ -90,11 +90,11 @@ def test_log_prompts_puts_the_text_in(start_server):
     assert record["completion"] == [r.json()["choices"][0]["message"]["content"]]
 
 
-def test_a_refusal_is_logged_with_its_admission_outcome(start_server):
-    # a 1000-byte machine: the model itself does not fit, so it is loaded by force
-    proc = start_server(env={"MLX_HEADROOM_MEMORY_TIER": "custom",
-                             "MLX_HEADROOM_MEMORY_CEILING_BYTES": "1000",
-                             "MLX_HEADROOM_FORCE_LOAD": "true"})
+def test_a_refusal_is_logged_with_its_admission_outcome(small_machine):
+    proc = small_machine
+    # a 1000-byte machine: nothing fits
+    guard = httpx.put(proc.url + "/v1/memory-guard", json={"tier": "custom", "ceiling_bytes": 1000})
+    assert guard.status_code == 200, guard.text
     r = chat(proc.url, "hello")
     assert r.status_code == 507, r.text
     record, _ = line_for(proc, r.headers["x-request-id"])
