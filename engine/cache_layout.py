@@ -21,8 +21,9 @@ keys' and values' shapes except the sequence axis, so MLA's latent keys (1 head 
 rotary values (1 × 64) are counted as they are stored, not as the config's heads suggest.
 
 A second lazy forward asks whether the model takes a batch of rows whose caches hold one
-offset per row, as mlx-lm's batch caches and the paged store's views do (gpt_bigcode makes
-its positions from the offset as a Python int, so it cannot): `CacheLayout.batched`.
+offset and one mask per row, as mlx-lm's batch caches and the paged store's views do
+(gpt_bigcode makes its positions from the offset as a Python int, so it cannot):
+`CacheLayout.batched`.
 
 `CacheLayout.plain_kv` is the paged store's case (every entry a plain `KVCache` with the same
 heads and dims for keys and values, rows batched); other models are served by `engine.dense`.
@@ -194,13 +195,15 @@ def probe_cache_layout(model: Any, *, weights_loaded: bool = False) -> CacheLayo
 
 
 def _takes_rows(model: Any, caches: list[Any]) -> bool:
-    """Whether a decode step runs on two rows whose caches are merged, each with its own
-    offset (nothing evaluated). Caches without `merge` are never batched: True."""
+    """Whether a decode step runs on three rows whose caches are merged, each with its own
+    offset and a per-row mask (nothing evaluated): gpt_bigcode makes its positions from the
+    offset as an int, phi3small's block-sparse attention cannot broadcast a per-row mask.
+    Caches without `merge` are never batched: True."""
     if not all(hasattr(type(c), "merge") for c in caches):
         return True
     try:
-        rows = [type(c).merge([c, c]) for c in caches]
-        model(mx.zeros((2, 1), dtype=mx.int32), cache=rows)
+        rows = [type(c).merge([c, c, c]) for c in caches]
+        model(mx.zeros((3, 1), dtype=mx.int32), cache=rows)
     except Exception:
         return False
     return True

@@ -36,6 +36,13 @@ EXPECTED_FAIL: dict[str, str] = {
     "muse_spark": "its norms, rotary and expert routing run Metal kernels (mlx_lm.kernels)",
 }
 
+# Types whose mlx-lm forward fails on its own (nothing to compare against): the test checks
+# that generate_step still fails, so that a fixed mlx-lm puts the type back in the matrix.
+MLX_LM_FAILS: dict[str, str] = {
+    "olmo": "its attention adds the 'causal' mask string to its scores on any prompt of two "
+            "or more tokens",
+}
+
 
 def model_types() -> list[str]:
     """The installed mlx-lm's model types: each module of `mlx_lm/models/` that defines or
@@ -57,7 +64,7 @@ def test_every_model_type_of_the_installed_mlx_lm_has_a_config() -> None:
     missing = sorted(set(model_types()) - set(tiny_archs.CONFIGS))
     assert not missing, f"model types without a tiny config in tests/engine/tiny_archs.py: {missing}"
     assert not set(tiny_archs.CONFIGS) - set(model_types()), "configs of types mlx-lm does not ship"
-    assert set(EXPECTED_FAIL) <= set(tiny_archs.CONFIGS)
+    assert set(EXPECTED_FAIL) | set(MLX_LM_FAILS) <= set(tiny_archs.CONFIGS)
 
 
 def _reference(model: object, prompt: list[int], max_tokens: int) -> list[int]:
@@ -65,11 +72,17 @@ def _reference(model: object, prompt: list[int], max_tokens: int) -> list[int]:
     return [int(token) for token, _ in steps]
 
 
-@pytest.mark.parametrize("model_type", sorted(tiny_archs.CONFIGS, key=str.lower))
+@pytest.mark.parametrize("model_type", [
+    pytest.param(name, marks=pytest.mark.xfail(reason=EXPECTED_FAIL[name], raises=RuntimeError, strict=True))
+    if name in EXPECTED_FAIL else name
+    for name in sorted(tiny_archs.CONFIGS, key=str.lower)
+])
 def test_greedy_output_equals_mlx_lm(model_type: str, make_engine: Callable[..., Harness]) -> None:
-    if model_type in EXPECTED_FAIL:
-        pytest.xfail(EXPECTED_FAIL[model_type])
     model = tiny_archs.build(model_type)
+    if model_type in MLX_LM_FAILS:
+        with pytest.raises(ValueError):
+            _reference(model, list(range(1, 1 + FIRST[0])), FIRST[1])
+        return
     layout = probe_cache_layout(model, weights_loaded=True)
     loaded = LoadedModel(model=model, tokenizer=None, model_id=model_type, path="",
                          geometry=geometry_for(model, layout), backend="cpu",
