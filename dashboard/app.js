@@ -121,10 +121,18 @@ function renderMemory(m, guardFresh = true) {
     ["running (decoding)", fmtNum(q.running)]]);
   const p = m.prefix_cache;
   const lookups = p.hits + p.misses;
-  setStats($("prefix"), [["held", `${fmtBytes(p.bytes)} of ${fmtBytes(p.max_bytes)}`],
-    ["entries", fmtNum(p.entries)], ["hits", fmtNum(p.hits)], ["misses", fmtNum(p.misses)],
+  // No cap by default: the cache may hold what the memory guard leaves free (budget_bytes).
+  const limit = p.max_bytes == null ? `${fmtBytes(p.budget_bytes)} free under the ceiling`
+    : `a ${fmtBytes(p.max_bytes)} cap`;
+  const byCause = Object.entries(p.evictions_by_cause || {})
+    .map(([cause, n]) => `${fmtNum(n)} ${cause}`).join(", ");
+  setStats($("prefix"), [["held", `${fmtBytes(p.bytes)} of ${limit}`],
+    ["blocks", fmtNum(p.entries)], ["hits", fmtNum(p.hits)], ["misses", fmtNum(p.misses)],
     ["hit rate", lookups ? (100 * p.hits / lookups).toFixed(1) + " %" : "—"],
-    ["evictions", fmtNum(p.evictions)]]);
+    ["tokens from the cache", fmtNum(p.hit_tokens)],
+    ["blocks evicted", `${fmtNum(p.evictions)}` + (byCause ? ` (${byCause})` : "")],
+    ...(p.disk ? [["on disk", `${fmtBytes(p.disk.bytes)} in ${fmtNum(p.disk.blocks)} blocks; `
+      + `${fmtNum(p.disk.hits)} read back, ${fmtNum(p.disk.written)} written`]] : [])]);
   renderEngine(m.engine || {});
   renderModels(m.models || null);
   renderDecisions(m.decisions || []);

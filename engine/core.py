@@ -26,6 +26,7 @@ from engine.kv import KVGeometry, KVStore, install_attention_hook
 from engine.kv.store import default_segment_tokens
 from engine.loader import LoadedModel, device_memory_bytes, on_cuda_by_default
 from engine.prefix import ChainKey, PrefixCache, PrefixCacheStats
+from engine.prefix.disk import open_disk_tier
 from engine.request import EngineRequest, RequestOutput
 from engine.runner import Runner
 from engine.sequence import RequestStatus, Sequence
@@ -47,6 +48,12 @@ STEP_CHUNKS = 1
 # one failure is a request's problem, a run of them means the engine itself is broken, and
 # a dead engine answers 503 and exits non-zero so that a service manager restarts it.
 MAX_FAILED_STEPS_IN_A_ROW = 3
+
+# At shutdown the prefix cache's blocks go to its disk tier for this long at most (the server
+# waits ENGINE_JOIN_TIMEOUT_S, 30 s, for the engine thread).
+SPILL_S = 10.0
+# Blocks read back from disk between evaluations: what a read-back holds beside the store.
+READ_BACK_BLOCKS = 16
 
 
 @dataclass(frozen=True)
@@ -208,6 +215,10 @@ class EngineCore:
             self.store, max_bytes=config.prefix_cache_bytes, min_hit_tokens=self.store.block_size,
         )
         self._prefix_budget = 0  # what the cache may hold now (the last upkeep's room)
+        if config.prefix_cache_dir and isinstance(self.store, KVStore) and config.prefix_cache_bytes != 0:
+            self.prefix_cache.disk = open_disk_tier(config.prefix_cache_dir, config.prefix_cache_disk_bytes,
+                                                    loaded.path, self.store)
+            self.prefix_cache.prefill_rate = self._prefill_rate
         self.batch: Runner | DenseRunner
         if isinstance(self.store, DenseStore):
             self.batch = DenseRunner(self.model, self.store)
@@ -272,6 +283,9 @@ class EngineCore:
         if self.lockstep is not None:
             self.lockstep.stop(self)
         self._abort_all("the server is shutting down")
+        if self.prefix_cache.disk is not None:
+            written = self.prefix_cache.spill(deadline=time.monotonic() + SPILL_S)
+            log.info("prefix cache: %d blocks written to %s", written, self.prefix_cache.disk.dir)
 
     def step(self) -> bool:
         """One engine step; False when it could do nothing (everything waits)."""
@@ -406,6 +420,7 @@ class EngineCore:
         while a request waits); the hit and miss counters count a request once."""
         first, seq.looked_up = not seq.looked_up, True
         seq.shared = seq.prefix_key = None
+        seq.disk_blocks = ()
         seq.processed = seq.cached_tokens = 0
         if seq.scores_prompt:
             return  # a cached prefix has no logits to score: recompute it (engine.prompt_scoring)
@@ -413,6 +428,7 @@ class EngineCore:
         if hit is None:
             return
         seq.shared = hit.prefix
+        seq.disk_blocks = hit.disk
         seq.processed = seq.cached_tokens = hit.cached_tokens
         seq.prefix_key = hit.key
 
@@ -449,15 +465,43 @@ class EngineCore:
             shared = None  # the entry was evicted meanwhile: recompute from scratch
             seq.processed = seq.cached_tokens = 0
             seq.prefix_key = None
+            seq.disk_blocks = ()
         if shared is not None and shared.tokens % self.store.block_size:
             # The hit copies the prefix's partly filled last block into the request's own
             # block, a write into a segment the queued decode step still reads: MLX would
             # copy every layer array of the segment instead of writing in place.
             self.batch.settle()
         alloc = self.store.reserve(seq.request_id, seq.final_len, shared, exact=exact)
+        if seq.disk_blocks:
+            self._read_back(seq)
         assert alloc.length == seq.processed
         seq.has_kv = True
         seq.shared = None
+
+    def _read_back(self, seq: Sequence) -> None:
+        """Read the hit's blocks on disk into the request's own blocks, after those it
+        shares: its reservation, which admission granted, holds them, and each block's
+        arrays are the only transient. A file that fails its checks ends the read there:
+        the request prefills the rest."""
+        disk, blocks = self.prefix_cache.disk, seq.disk_blocks
+        seq.disk_blocks = ()
+        assert disk is not None and isinstance(self.store, KVStore)
+        self.batch.settle()  # the writes go into a segment the queued decode step may read
+        alloc = self.store.get(seq.request_id)
+        for i, (key, parent, tokens) in enumerate(blocks):
+            arrays = disk.read(key, parent, tokens)
+            if arrays is None:
+                break
+            self.store.load_block(seq.request_id, arrays)
+            if i % READ_BACK_BLOCKS == READ_BACK_BLOCKS - 1:
+                mx.eval(alloc.segment.arrays())
+        mx.eval(alloc.segment.arrays())
+        seq.processed = seq.cached_tokens = alloc.length
+
+    def _prefill_rate(self) -> float | None:
+        """Prompt tokens prefilled per second of waiting for the device, so far."""
+        tokens, waited = self._counters["prompt_tokens"], self.batch.prefill_wait_s
+        return tokens / waited if tokens and waited > 0 else None
 
     def _act_on(self, seq: Sequence, decision: Decision, now: float) -> bool:
         """Evict, wait or refuse as the decision says; True when the work may go ahead.

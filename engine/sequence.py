@@ -20,6 +20,7 @@ class Sequence:
     cached_tokens: int = 0  # of those, how many came from the prefix cache
     prefix_key: ChainKey | None = None  # the prefix-cache block its hit ends in
     chain: list[ChainKey] = field(default_factory=list)  # its prompt's block digests, as looked up
+    disk_blocks: tuple[tuple[ChainKey, ChainKey, tuple[int, ...]], ...] = ()  # a hit's, to read back
     generated: int = 0
     outputs: list[int] = field(default_factory=list)  # the tokens generated
     wait_since: float | None = None  # when admission first said WAIT

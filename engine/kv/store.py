@@ -281,6 +281,27 @@ class KVStore:
                 total += seg.nbytes
         return total
 
+    def block_arrays(self, segment_id: int, block: int) -> list[mx.array]:
+        """One block's rows in every layer, as the segment holds them: each layer's keys,
+        then each layer's values (the prefix cache's disk tier writes them)."""
+        seg = self.segments[segment_id]
+        rows = slice(block * self.block_size, (block + 1) * self.block_size)
+        return [k[rows] for k in seg.keys] + [v[rows] for v in seg.values]
+
+    def load_block(self, request_id: str, arrays: list[mx.array]) -> None:
+        """Write one block's rows (as `block_arrays` gives them) as the request's next
+        block, and count its tokens written. The caller evaluates the segment."""
+        alloc = self.requests[request_id]
+        if alloc.length % self.block_size:
+            raise ValueError("a block is loaded at a block boundary")
+        block = alloc.table[alloc.length // self.block_size]
+        rows = slice(block * self.block_size, (block + 1) * self.block_size)
+        layers = self.geometry.num_layers
+        for layer in range(layers):
+            alloc.segment.keys[layer][rows] = arrays[layer]
+            alloc.segment.values[layer][rows] = arrays[layers + layer]
+        self.advance(request_id, self.block_size)
+
     def cache_only_segments(self, held: dict[int, dict[int, int]]) -> list[tuple[int, int]]:
         """(id, bytes) of the segments in which every used block is held only by `held`
         (segment -> block -> holds: the prefix cache's): dropping those holds frees them."""

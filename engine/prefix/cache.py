@@ -23,15 +23,21 @@ last turns before the system prompt it shares with others ("a prefix of a prefix
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from engine.kv.store import SharedPrefix
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+    from engine.prefix.disk import DiskTier
 
 ChainKey = bytes  # the digest of a block chain: names a prefix of whole and partial blocks
 
@@ -56,13 +62,16 @@ class BlockStore(Protocol):
 
     def drop_prefix(self, prefix: SharedPrefix) -> None: ...
     def pool_bytes(self) -> int: ...
+    def block_arrays(self, segment_id: int, block: int) -> list[mx.array]: ...
 
 
 @dataclass(frozen=True)
 class PrefixHit:
-    key: ChainKey  # the deepest cached node the hit uses
-    cached_tokens: int
-    prefix: SharedPrefix
+    key: ChainKey  # the deepest cached node in memory the hit uses (ROOT: none)
+    cached_tokens: int  # in memory and on disk
+    prefix: SharedPrefix | None  # the blocks in memory
+    # Full blocks read back from the disk tier after those: (key, parent key, tokens) each.
+    disk: tuple[tuple[ChainKey, ChainKey, tuple[int, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -75,7 +84,7 @@ class PrefixCacheStats:
     evictions: int  # blocks evicted, all causes
     evictions_by_cause: dict[str, int]
     max_bytes: int | None  # an operator's cap; None: the memory guard governs
-    disk: dict[str, int] | None = None  # the disk tier's figures (engine.prefix.disk)
+    disk: dict[str, float] | None = None  # the disk tier's figures (engine.prefix.disk)
 
 
 @dataclass(eq=False)
@@ -124,9 +133,9 @@ class PrefixCache:
         self.misses = 0
         self.hit_tokens = 0
         self.evicted: dict[str, int] = dict.fromkeys(CAUSES, 0)
-        # Called with each node's chain key, tokens and block before it leaves memory (the
-        # disk tier writes it there); None: evicted blocks are gone.
-        self.on_evict: Callable[[ChainKey, ChainKey, tuple[int, ...], int, int], None] | None = None
+        # Where evicted full blocks go, and how fast the engine prefills (is reading faster?).
+        self.disk: DiskTier | None = None
+        self.prefill_rate: Callable[[], float | None] = lambda: None
 
     # ---- sizes -----------------------------------------------------------------------
     @property
@@ -157,7 +166,8 @@ class PrefixCache:
         if count:
             self.hits += 1
             self.hit_tokens += hit.cached_tokens
-        self._touch(self._lru[hit.key])
+        if hit.key in self._lru:
+            self._touch(self._lru[hit.key])
         return hit
 
     def _walk(self, tokens: Seq[int], memo: list[ChainKey]) -> PrefixHit | None:
@@ -183,13 +193,35 @@ class PrefixCache:
             n = _common(child.tokens, rest)
             if n > best_n:
                 best, best_n = child, n
+        disk = self._on_disk(query, len(chain), memo)
+        if disk:
+            best, best_n = None, 0  # the disk's full blocks go further than a partial one
         if best is not None:
             chain.append(best)
-        if not chain:
+        if not chain and not disk:
             return None
-        total = matched + best_n
-        prefix = SharedPrefix(chain[0].segment_id, tuple(n.block for n in chain), total)
-        return PrefixHit(chain[-1].key, total, prefix)
+        total = matched + best_n + len(disk) * bs
+        prefix = SharedPrefix(chain[0].segment_id, tuple(n.block for n in chain), matched + best_n) \
+            if chain else None
+        return PrefixHit(chain[-1].key if chain else ROOT, total, prefix, disk)
+
+    def _on_disk(self, query: tuple[int, ...], blocks: int,
+                 memo: list[ChainKey]) -> tuple[tuple[ChainKey, ChainKey, tuple[int, ...]], ...]:
+        """The full blocks after the first `blocks` that the disk tier holds in a row, when
+        reading them is faster than prefilling them."""
+        disk, bs = self.disk, self.block_size
+        if disk is None:
+            return ()
+        out = []
+        parent = memo[blocks - 1] if blocks else ROOT
+        for i in range(blocks, len(query) // bs):
+            if i == len(memo):
+                memo.append(chain_digest(parent, query[i * bs : (i + 1) * bs]))
+            if memo[i] not in disk:
+                break
+            out.append((memo[i], parent, query[i * bs : (i + 1) * bs]))
+            parent = memo[i]
+        return tuple(out) if disk.worth_reading(len(out), self.prefill_rate()) else ()
 
     # ---- insertion -------------------------------------------------------------------
     def insert(self, tokens: Seq[int], prefix: SharedPrefix) -> None:
@@ -314,16 +346,26 @@ class PrefixCache:
             if node.key in self._lru:
                 self._remove_subtree(node)
 
-    def nodes(self) -> Iterator[tuple[ChainKey, ChainKey, tuple[int, ...], int, int]]:
-        """(key, parent key, tokens, segment id, block) of every cached block, root first
-        along each chain."""
-        for node in reversed(self._lru.values()):
-            yield node.key, node.parent.key if node.parent else ROOT, node.tokens, node.segment_id, node.block
+    def spill(self, deadline: float | None = None) -> int:
+        """Write every full block still in memory to the disk tier, least recently used
+        first (the disk keeps the most recent when it is full), until `deadline`
+        (time.monotonic()). Returns the blocks written."""
+        if self.disk is None:
+            return 0
+        before = self.disk.written
+        for node in list(self._lru.values()):
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            self._to_disk(node)
+        return self.disk.written - before
 
     def stats(self) -> PrefixCacheStats:
+        disk = None
+        if self.disk is not None:
+            disk = {k: v for k, v in vars(self.disk.stats(self.prefill_rate())).items() if v is not None}
         return PrefixCacheStats(
             self.nbytes, len(self._lru), self.hits, self.misses, self.hit_tokens,
-            self.evictions, dict(self.evicted), self.max_bytes,
+            self.evictions, dict(self.evicted), self.max_bytes, disk,
         )
 
     # ---- internals -------------------------------------------------------------------
@@ -350,12 +392,15 @@ class PrefixCache:
         count = 0
         for child in list(node.children.values()):
             count += self._evict_subtree(child, cause)
-        if self.on_evict is not None:
-            self.on_evict(node.key, node.parent.key if node.parent else ROOT, node.tokens,
-                          node.segment_id, node.block)
+        self._to_disk(node)
         self._remove(node)
         self.evicted[cause] += 1
         return count + 1
+
+    def _to_disk(self, node: _Node) -> None:
+        if self.disk is not None and len(node.tokens) == self.block_size and node.key not in self.disk:
+            arrays = self.store.block_arrays(node.segment_id, node.block)
+            self.disk.write(node.key, node.parent.key if node.parent else ROOT, node.tokens, arrays)
 
     def _remove_subtree(self, node: _Node) -> None:
         for child in list(node.children.values()):

@@ -100,7 +100,8 @@ def test_relative_endpoints_resolve_to_the_api(server):
 MEMORY_FIELDS = [
     "usage_bytes", "committed_bytes", "ceiling.hard_bytes", "ceiling.binding", "ceiling.components",
     "prefix_cache.bytes", "prefix_cache.entries", "prefix_cache.hits", "prefix_cache.misses",
-    "prefix_cache.evictions", "queue.waiting", "queue.prefilling", "queue.running",
+    "prefix_cache.evictions", "prefix_cache.evictions_by_cause", "prefix_cache.budget_bytes",
+    "prefix_cache.hit_tokens", "queue.waiting", "queue.prefilling", "queue.running",
     "engine.generated_tokens", "engine.max_batch", "decisions",
 ]
 DECISION_FIELDS = ["at", "request_id", "outcome", "reason", "needed_bytes", "limit_bytes", "binding"]
