@@ -41,6 +41,29 @@ PARAGRAPH = (
     "goes down. Many of them return again and again, drawn by the light, the food, and the "
     "feeling that history is present on every corner."
 )
+# (question, options): the first option is the obvious answer
+QUESTIONS = (
+    ("The capital of France is", (" Paris", " Berlin", " Tokyo")),
+    ("The capital of Japan is", (" Tokyo", " Madrid", " Cairo")),
+    ("Water freezes at zero degrees", (" Celsius", " Kelvin", " Newton")),
+    ("The opposite of hot is", (" cold", " blue", " fast")),
+    ("A cat says", (" meow", " moo", " quack")),
+    ("The sun rises in the", (" east", " west", " basement")),
+    ("Two plus two equals", (" four", " seven", " eleven")),
+    ("The color of grass is", (" green", " purple", " orange")),
+    ("Monday, Tuesday,", (" Wednesday", " January", " Saturday")),
+    ("A baby dog is called a", (" puppy", " kitten", " calf")),
+    ("The largest ocean on Earth is the", (" Pacific", " Arctic", " Indian")),
+    ("Bees make", (" honey", " milk", " silk")),
+    ("The first letter of the English alphabet is", (" A", " Q", " Z")),
+    ("People breathe", (" air", " sand", " rocks")),
+    ("Ice cream is usually", (" cold", " hot", " spicy")),
+    ("The moon orbits the", (" Earth", " Sun", " Mars")),
+    ("Shakespeare wrote Romeo and", (" Juliet", " Jane", " Julia")),
+    ("One, two, three,", (" four", " nine", " twenty")),
+    ("The chemical symbol for water is", (" H2O", " CO2", " NaCl")),
+    ("Birds can fly because they have", (" wings", " wheels", " fins")),
+)
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Water boils at a temperature of")
 TEXTS = (
     "The capital of France is", "hello  world", "a   b    c", "\ttab\t\tdouble", "line\nbreak\n\n\npara",
@@ -214,7 +237,7 @@ def test_the_server_serves_it_with_mlx_lm_s_tokens_and_perplexity(
     nll = nn.losses.cross_entropy(model(ids[:, :-1]).astype(mx.float32), ids[:, 1:], reduction="mean")
     server = ServerProcess(Path(GEMMA_MODEL)).start(tmp_path, timeout=180)
     try:
-        def complete(prompt: str, **extra: Any) -> dict[str, Any]:
+        def complete(prompt: str | list[str], **extra: Any) -> dict[str, Any]:
             body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, **extra}
             r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=300)
             assert r.status_code == 200, r.text
@@ -231,6 +254,21 @@ def test_the_server_serves_it_with_mlx_lm_s_tokens_and_perplexity(
         prompt_logprobs = echoed["choices"][0]["logprobs"]["token_logprobs"][1:n]
         server_nll = -sum(prompt_logprobs) / len(prompt_logprobs)
         assert math.exp(server_nll) == pytest.approx(math.exp(nll.item()), rel=0.01)
+
+        # multiple choice by log-likelihood: each option's tokens scored from the echoed prompt
+        texts = [q + o for q, options in QUESTIONS for o in options]
+        echoed = complete(texts, max_tokens=1, echo=True, logprobs=0)
+        scores = []
+        for choice in sorted(echoed["choices"], key=lambda c: c["index"]):
+            text = texts[choice["index"]]
+            question = next(q for q, _ in QUESTIONS if text.startswith(q))
+            start, end = len(tokenizer.encode(question)), len(tokenizer.encode(text))
+            scores.append(sum(choice["logprobs"]["token_logprobs"][start:end]))
+        right = sum(
+            max(range(len(options)), key=lambda k, i=i: scores[3 * i + k]) == 0
+            for i, (_, options) in enumerate(QUESTIONS)
+        )
+        assert right >= 17, right  # chance is 1 in 3; mlx-lm's own forward gets 20 of 20
     finally:
         server.stop()
 
