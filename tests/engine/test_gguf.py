@@ -202,8 +202,9 @@ def test_a_damaged_gguf_is_refused_and_nothing_is_cached(gemma_gguf: Path, tmp_p
     assert first.name == "output_norm.weight" and first.type_name == "F32"  # what nan.gguf damages
 
 
-def test_admission_sizes_a_gguf_before_converting_it(gemma_gguf: Path, gemma_dir: Path,
-                                                      tmp_path: Path, gguf_cache: Path) -> None:
+def test_admission_sizes_a_gguf_before_converting_it(
+        gemma_gguf: Path, gemma_dir: Path, tmp_path: Path, gguf_cache: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     from engine.model_spec import read_model_spec
 
     listing = sorted(p.name for p in gguf_cache.iterdir())
@@ -218,6 +219,12 @@ def test_admission_sizes_a_gguf_before_converting_it(gemma_gguf: Path, gemma_dir
     assert spec.weight_bytes == before.weight_bytes
     assert spec.geometry == before.geometry and spec.context_length == 32768
     assert sorted(p.name for p in gguf_cache.iterdir()) == listing  # sizing converted nothing
+    # the packaged model before its first use: sized from the first chunk's header
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "empty"))
+    packaged = read_model_spec(GEMMA_MODEL)
+    assert (packaged.name, packaged.weights_source) == (GEMMA_MODEL_ID, "GGUF header")
+    assert packaged.weight_bytes == before.weight_bytes
+    assert not (tmp_path / "empty").exists()
 
 
 def test_the_server_serves_it_with_mlx_lm_s_tokens_and_perplexity(
