@@ -184,3 +184,22 @@ def test_load_admission_sizes_a_model_from_its_caches_before_loading(name: str, 
     layout = probe_cache_layout(model, weights_loaded=True)
     assert spec.geometry.kv_bytes_per_token == layout.bytes_per_token
     assert spec.geometry == geometry_for(model, layout)
+
+
+def test_the_probe_finds_rows_that_cannot_batch_and_caches_of_unusual_kinds() -> None:
+    """gpt_bigcode makes positions from its offset as an int and phi3small's block-sparse
+    attention cannot broadcast a per-row mask: rows step one at a time. deepseek_v41 keeps
+    its own cache class (sized from what the probe left in it); nemotron-nas has layers
+    without attention, whose caches stay empty."""
+    for name in ("gpt_bigcode", "phi3small"):
+        layout = probe_cache_layout(tiny_archs.build(name), weights_loaded=True)
+        assert not layout.batched and not layout.plain_kv, name
+    assert probe_cache_layout(tiny_archs.build("qwen3"), weights_loaded=True).plain_kv
+
+    custom = probe_cache_layout(tiny_archs.build("deepseek_v41"), weights_loaded=True)
+    assert custom.kinds() == {"custom": 4} and not custom.mergeable
+    assert custom.bytes_for(100) == sum(c.bytes_per_token for c in custom.layers) * 256 > 0
+
+    nas = probe_cache_layout(tiny_archs.build("nemotron-nas"), weights_loaded=True)
+    assert [c.bytes_per_token == 0 for c in nas.layers] == [False, True, False]
+    assert not nas.plain_kv

@@ -35,7 +35,7 @@ _CONFIGS: dict[str, dict[str, Any]] = {
         vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=8,
         num_key_value_heads=4, intermediate_size=64, head_dim=16, rope_theta=100.0,
         layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, sliding_window=16,
     ),
     "apertus": dict(
         hidden_size=64, num_hidden_layers=4, intermediate_size=64, mlp_bias=True, num_attention_heads=8,
@@ -354,7 +354,7 @@ _CONFIGS: dict[str, dict[str, Any]] = {
     "iquestloopcoder": dict(
         hidden_size=64, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,
         num_key_value_heads=2, rms_norm_eps=1e-05, head_dim=16, vocab_size=VOCAB, rope_theta=500000.0,
-        tie_word_embeddings=False, loop_num=2, loop_window_size=32,
+        tie_word_embeddings=False, loop_num=2, loop_window_size=16,
     ),
     "jamba": dict(
         hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -683,8 +683,9 @@ _CONFIGS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-05, vocab_size=VOCAB,
     ),
     "plamo2": dict(
-        hidden_size=64, num_hidden_layers=4, intermediate_size=64, num_attention_heads=8,
-        rms_norm_eps=1e-05, vocab_size=VOCAB,
+        hidden_size=64, num_hidden_layers=4, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, hidden_size_per_head=16, rms_norm_eps=1e-05, vocab_size=VOCAB,
+        attention_window_size=16, mamba_d_state=16, mamba_num_heads=4, mamba_chunk_size=16,
     ),
     "plamo3": dict(
         hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
