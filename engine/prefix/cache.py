@@ -22,7 +22,6 @@ last turns before the system prompt it shares with others ("a prefix of a prefix
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -30,28 +29,16 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
-
 from engine.kv.store import SharedPrefix
+from engine.prefix.keys import ROOT, ChainKey, chain_digest
 
 if TYPE_CHECKING:
     import mlx.core as mx
 
     from engine.prefix.disk import DiskTier
 
-ChainKey = bytes  # the digest of a block chain: names a prefix of whole and partial blocks
-
-ROOT: ChainKey = b""
-
 # Why an entry left memory.
 CAUSES = ("admission", "ceiling", "cap")
-
-
-def chain_digest(parent: ChainKey, tokens: Seq[int]) -> ChainKey:
-    """The key of a block whose tokens are `tokens`, after the chain `parent`. Stable
-    across processes (the disk tier names its files by it)."""
-    data = np.asarray(tokens, dtype="<i8").tobytes()
-    return hashlib.blake2b(parent + data, digest_size=16).digest()
 
 
 class BlockStore(Protocol):

@@ -2,7 +2,7 @@
 
 A full block that leaves memory (admission or the ceiling evicted it, or the server shuts
 down) is written as one safetensors file, named by its chain key (the hash of its block
-chain, `engine.prefix.cache.chain_digest`), under a folder named by the model's identity:
+chain, `engine.prefix.keys.chain_digest`), under a folder named by the model's identity:
 
     <dir>/<identity>/<chain key hex>.safetensors
         k.<layer>, v.<layer>: the block's rows of each layer, as the store holds them
@@ -41,7 +41,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.kv.store import KVStore
-from engine.prefix.cache import ChainKey
+from engine.prefix.keys import ChainKey
 
 log = logging.getLogger("mlx_headroom.engine")
 
