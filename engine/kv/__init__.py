@@ -4,6 +4,7 @@
     blocks.py       free lists and reference counts (pure Python)
     cache.py        the per-layer cache objects mlx-lm's model code calls
     prefill.py      batched prefill: several requests' chunks in one right-padded call
+    quant.py        quantized KV rows (`--kv-bits`): packed values, scales and biases
     attention.py    the rebound attention: CUDA kernel or plain-MLX fallback
     cuda_decode.py  the paged decode kernel (`mx.fast.cuda_kernel`)
     device_vectors.py  per-step index vectors kept out of CUDA's host scalar pool
