@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 
 from engine import EngineRequest, SamplingParams
-from engine.kv import KVGeometry, KVStore
+from engine.kv import KVGeometry, KVStore, decode_caches, plan_decode
 from engine.kv.quant import KVQuant
 from memory import ModelGeometry
 
@@ -78,6 +78,34 @@ def test_the_store_counts_the_bytes_admission_counts(bits: int, group: int, dtyp
 def test_a_group_size_that_does_not_divide_head_dim_is_refused() -> None:
     with pytest.raises(ValueError, match=r"group size 64 does not divide the model's head_dim 32.*\[32\]"):
         KVStore(KVGeometry(2, 2, 32, mx.float32, kv_bits=8, kv_group_size=64))
+
+
+def test_a_model_the_store_does_not_serve_refuses_quantized_kv(make_engine) -> None:
+    from tests.engine.test_dense_path import _loaded
+
+    with pytest.raises(ValueError, match="quantized KV needs the paged KV store"):
+        make_engine(loaded=_loaded("gemma3_text"), kv_bits=8, kv_group_size=GROUP)
+
+
+def test_quantized_writes_happen_in_place() -> None:
+    """Encoding makes new rows, never a new pool: 200 decode writes stay far under one layer."""
+    geo = KVGeometry(2, 2, 64, mx.float32, kv_bits=4, kv_group_size=GROUP)
+    s = KVStore(geo, segment_tokens=8192)
+    allocs = [s.reserve(f"r{i}", 1000) for i in range(4)]
+    seg = allocs[0].segment
+    for a in allocs:
+        s.advance(a.request_id, 10)
+    mx.synchronize()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    for _ in range(200):
+        for cache in decode_caches(plan_decode(s, allocs), geo.num_layers):
+            k = mx.random.normal((4, 2, 1, 64))
+            cache.update_and_fetch(k, k)
+        mx.eval(seg.arrays())
+        for a in allocs:
+            s.advance(a.request_id, 1)
+    assert mx.get_peak_memory() - before < seg.keys[0].nbytes // 2
 
 
 def test_the_engine_holds_and_reports_the_quantized_size(make_engine, tiny_loaded) -> None:
