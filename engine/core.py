@@ -145,6 +145,8 @@ class EngineStats:
     peak_bytes: int = 0  # MLX's peak active memory since start
     cache_limit_bytes: int = 0  # MLX's cache limit, as read back from MLX
     warmup_s: float = 0.0  # the start-up warm-up's wall time (engine.warmup); 0: none ran
+    # The decode-stall target, the decode step and prefill cost it measures (engine.step_budget)
+    step_budget: dict[str, float | int | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -790,6 +792,8 @@ class EngineCore:
         else fails the step's requests with 500 and its cause. Either way their KV is freed
         and the engine serves on, unless steps keep failing: then the engine is broken, and
         the exception ends the engine thread (503 for everyone, a non-zero exit)."""
+        if self.lockstep is not None:
+            raise exc  # a step that failed on one rank leaves the group apart: it ends the group
         if is_out_of_memory(exc):
             self._recover_from_device_oom(exc, victims)
             return
@@ -924,6 +928,7 @@ class EngineCore:
             peak_bytes=self.admission.lifetime_peak_bytes(),
             cache_limit_bytes=self.admission.cache_limit_bytes,
             warmup_s=round(self.warmup_s, 3),
+            step_budget=self.step_budget.report(),
         )
 
     def follow_memory_policy(self) -> int:
