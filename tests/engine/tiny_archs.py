@@ -3,7 +3,8 @@
 One config per model type: the type is the name of its module in `mlx_lm/models/`, the
 config what that module's `ModelArgs.from_dict` reads. Most come from mlx-lm's own
 tests/test_models.py, shrunk further (hidden 64 or less, at most 4 layers, a 256-token
-vocabulary, a few experts, 16-token windows); the rest are written from each `ModelArgs`.
+vocabulary, a few experts, windows of 16 tokens or less, so that the tests' 40-token
+prompts pass them); the rest are written from each `ModelArgs`.
 `build(name)` returns the model in float32 with its parameters evaluated, the same
 weights on every call (fixed seed).
 """
