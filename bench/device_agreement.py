@@ -49,6 +49,7 @@ from typing import Any
 import httpx
 
 from bench.loadgen import Workload, run_load
+from bench.scenarios import AGREEMENT_MODES as MODES
 from bench.servers import ROOT, Periodic, Server, _nvidia_smi_used, stop_all
 
 API_KEY = "bench-key"
@@ -57,28 +58,6 @@ AGREEMENT_GOAL = 0.05
 PHASES = ("concurrency", "long", "after_burst")
 
 
-@dataclass(frozen=True)
-class Mode:
-    model: str
-    dtype: str
-    concurrency: tuple[int, ...]
-    prompt_tokens: int
-    max_tokens: int
-    long_requests: int
-    long_tokens: int
-    long_max_tokens: int
-    burst_concurrency: int
-    after_burst_tokens: tuple[int, ...]
-    max_concurrency: int
-    startup_timeout_s: float
-    request_timeout_s: float
-
-
-MODES = {
-    "gpu": Mode("llama3-8b", "bfloat16", (1, 8, 32, 64), 1000, 256, 40, 32768, 16, 64,
-                (60_000, 100_000), 64, 600, 900),
-    "cpu-tiny": Mode("tiny", "float32", (1, 8), 128, 16, 4, 2048, 4, 8, (3000, 6000), 8, 120, 300),
-}
 
 
 # ---- the driver's side ----------------------------------------------------------------
@@ -328,8 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop_all()
     from bench import summary
-    from bench.machine import machine_slug
-    from bench.run import _git_commit, result_dir
+    from bench.machine import git_commit as _git_commit
+    from bench.machine import machine_slug, result_dir
 
     gpu = _gpu_name()
     machine = {"backend": "cuda", "device_info": {"device_name": gpu}} if gpu else {"backend": "cpu"}

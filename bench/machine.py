@@ -149,3 +149,24 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def result_dir(root: Path, machine: dict[str, Any], name: str, date: str | None = None) -> Path:
+    """`<root>/<date>-<machine>-<name>`, with `-2`, `-3` ... when one already exists."""
+    base = root / f"{date or time.strftime('%Y-%m-%d')}-{machine_slug(machine)}-{name}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+def git_commit() -> str | None:
+    """The checkout's commit, for the results it measured (None outside a git checkout)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+

@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 
 from bench import scenarios, summary
-from bench.machine import machine_slug
+from bench.machine import git_commit, result_dir
 from bench.scenarios import SCENARIOS, Sizes
 from bench.servers import ROOT, Server, stop_all
 from server.malloc import early_choice, reexec_env
@@ -99,16 +99,6 @@ def simulated_ceiling(info: dict[str, Any], sizes: Sizes, fit: int) -> int:
     reservation = estimate_decode_reservation(geometry, prompt_tokens=sizes.pressure_prompt_tokens,
                                               max_tokens=sizes.pressure_max_tokens)
     return int(info["model"]["weight_bytes"]) + (32 << 20) + transient + fit * reservation
-
-
-def result_dir(root: Path, machine: dict[str, Any], name: str, date: str | None = None) -> Path:
-    """`<root>/<date>-<machine>-<name>`, with `-2`, `-3` ... when one already exists."""
-    base = root / f"{date or time.strftime('%Y-%m-%d')}-{machine_slug(machine)}-{name}"
-    path, n = base, 1
-    while path.exists():
-        n += 1
-        path = base.with_name(f"{base.name}-{n}")
-    return path
 
 
 def _child_json(args: list[str], env: dict[str, str], timeout_s: float) -> dict[str, Any]:
@@ -326,15 +316,6 @@ async def _with_server(
         run.save()
 
 
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=5)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 async def main_async(args: argparse.Namespace, argv: list[str]) -> Path:
     mode = MODES[args.mode]
     model, dtype = args.model or mode.model, args.dtype or mode.dtype
@@ -362,7 +343,7 @@ async def main_async(args: argparse.Namespace, argv: list[str]) -> Path:
     model_info = {k: v for k, v in info["model"].items() if k != "config"}
     run = Run(folder, {
         "run": folder.name, "mode": args.mode, "command": "python -m bench " + shlex.join(argv),
-        "commit": _git_commit(), "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "commit": git_commit(), "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "loadavg_at_start": _loadavg(), "bench_ld_preload": os.environ.get("LD_PRELOAD"),
         "machine": info["machine"], "versions": info["versions"], "model": model_info,
         "model_config": info["model"]["config"], "bandwidth": info.get("bandwidth"),

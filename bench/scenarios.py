@@ -355,3 +355,29 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("quantized", "the throughput scenario on the same model quantized by mlx-lm "
              "(--quantized-bits, 4 by default)", ("ours", "mlx_lm"), throughput, own_server=True),
 )}
+
+
+@dataclass(frozen=True)
+class AgreementMode:
+    """The sizes of `bench.device_agreement`'s phases (our figure beside the driver's)."""
+
+    model: str
+    dtype: str
+    concurrency: tuple[int, ...]
+    prompt_tokens: int
+    max_tokens: int
+    long_requests: int
+    long_tokens: int
+    long_max_tokens: int
+    burst_concurrency: int
+    after_burst_tokens: tuple[int, ...]
+    max_concurrency: int
+    startup_timeout_s: float
+    request_timeout_s: float
+
+
+AGREEMENT_MODES = {
+    "gpu": AgreementMode("llama3-8b", "bfloat16", (1, 8, 32, 64), 1000, 256, 40, 32768, 16, 64,
+                (60_000, 100_000), 64, 600, 900),
+    "cpu-tiny": AgreementMode("tiny", "float32", (1, 8), 128, 16, 4, 2048, 4, 8, (3000, 6000), 8, 120, 300),
+}

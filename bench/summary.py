@@ -184,7 +184,7 @@ def convert(data: dict[str, Any], *, machine: str | None = None, commit: str | N
     model = str(data.get("model") or model)
     dtype = dtype_name(data.get("dtype")) if data.get("dtype") else dtype
     if "goals" in data:  # bench.device_agreement: phases c<C>, long, after_burst
-        from bench.device_agreement import MODES as AGREEMENT_MODES
+        from bench.scenarios import AGREEMENT_MODES
 
         mode = AGREEMENT_MODES[data.get("mode", "gpu")]
         shapes = {f"c{c}": ("throughput", c, mode.prompt_tokens) for c in mode.concurrency}

@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import summary
-from bench.machine import machine_slug
-from bench.run import result_dir
+from bench.machine import machine_slug, result_dir
 
 POINT = {"concurrency": 4, "stream": True, "run": "cold", "requests": 4, "ok": 4, "failed": 0, "dropped": 0,
          "output_tok_s": 120.5, "ttft_ms_p50": 80.0, "tpot_ms_p50": 9.0, "itl_ms_p99": 14.0,
