@@ -4,10 +4,16 @@ The tiny models' weights are random; a test that needs a particular output (thin
 call, an answer that ends) wraps the loaded model in `ScriptedModel`: it forwards each
 call to the real model, so the caches fill as usual, and returns logits that pick the
 script's next token. A prompt starts the script over; after it, the model writes EOS.
+
+`build_thinking_model` is the tiny model with `<think>` and `</think>` as added tokens (so
+mlx-lm's tokenizer reports `has_thinking`) and a template that opens the block in its
+generation prompt, as Qwen3's thinking models and the DeepSeek-R1 distills do.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,9 +25,53 @@ import numpy as np
 import uvicorn
 
 from engine import LoadedModel, load_model
+from engine.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS, TinyModelShape, _config, _weights, tokenizer_json
 from server.app import create_app
 from server.settings import Settings
 from tests.conftest import free_port
+
+THINK = ("<think>", "</think>")
+EOS = 256 + SPECIAL_TOKENS.index("<|im_end|>")
+VOCAB = 256 + len(SPECIAL_TOKENS) + len(THINK)
+OPEN = "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+TEMPLATE = CHAT_TEMPLATE.replace(OPEN, (
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is not defined or enable_thinking %}{{- '<think>\n' }}{%- endif %}"
+    "{%- endif %}"))
+
+
+def build_thinking_model(path: Path, shape: TinyModelShape | None = None) -> Path:
+    """The tiny model's weights and byte tokenizer, with the think markers added."""
+    from safetensors.numpy import save_file
+
+    shape = shape or TinyModelShape()
+    assert OPEN in CHAT_TEMPLATE
+    path.mkdir(parents=True)
+    save_file(_weights(shape, VOCAB), str(path / "model.safetensors"))
+    tok = tokenizer_json()
+    for i, marker in enumerate(THINK):
+        tok["added_tokens"].append({  # type: ignore[union-attr]
+            "id": 256 + len(SPECIAL_TOKENS) + i, "content": marker, "single_word": False,
+            "lstrip": False, "rstrip": False, "normalized": False, "special": False})
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": shape.max_position_embeddings,
+        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+        "chat_template": TEMPLATE}))
+    (path / "config.json").write_text(json.dumps(_config(shape, VOCAB)))
+    return path
+
+
+def token_ids(text: str) -> list[int]:
+    """The byte tokenizer's ids, the markers as their added tokens."""
+    ids: list[int] = []
+    for part in re.split("(<think>|</think>)", text):
+        if part in THINK:
+            ids.append(256 + len(SPECIAL_TOKENS) + THINK.index(part))
+        else:
+            ids += list(part.encode())
+    return ids
 
 
 class ScriptedModel:

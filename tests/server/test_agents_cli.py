@@ -3,8 +3,9 @@
 Codex (`codex exec`, over the Responses API) and Claude Code (`claude -p`, over the
 Messages API) run as a user runs them, configured only through their own files, flags and
 environment variables, in a temporary home with no network besides this server. The
-tiny model's weights are random, so it is scripted to answer (tests/server/scripted.py);
-the test is about the protocol: each CLI must end its turn with the answer and no error.
+model is the tiny model with think markers, scripted to think and then answer
+(tests/server/scripted.py); the test is about the protocol: each CLI must end its turn with
+the answer, the thinking kept out of it, and no error.
 
 The agents' own prompts are trimmed (Codex's instructions file and features, Claude Code's
 `--bare`, `--system-prompt` and `--tools`): the tiny model's byte tokenizer makes their full
@@ -25,15 +26,15 @@ from pathlib import Path
 
 import pytest
 
-from engine.tiny_model import SPECIAL_TOKENS, TinyModelShape, build_tiny_model
-from tests.server.scripted import ScriptedModel, scripted_server
+from engine.tiny_model import TinyModelShape
+from tests.server.scripted import EOS, ScriptedModel, build_thinking_model, scripted_server, token_ids
 
 PREFIX = Path(os.environ.get("MLX_HEADROOM_AGENTS_CLI", "/tmp/agents-cli"))
 BIN = PREFIX / "node_modules" / ".bin"
 INSTALL = f"npm install --prefix {PREFIX} @openai/codex @anthropic-ai/claude-code"
 MODEL = "local-coder"
+THOUGHT = "The user greets me."
 ANSWER = "Hi from the tiny model."
-EOS = 256 + SPECIAL_TOKENS.index("<|im_end|>")
 TIMEOUT_S = 300
 
 pytestmark = [
@@ -46,10 +47,10 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def agent_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, ScriptedModel]]:
     # 32k of context: the agents' trimmed first requests are about 8k byte tokens.
-    path = build_tiny_model(tmp_path_factory.mktemp("agents") / "tiny-32k",
-                            TinyModelShape(max_position_embeddings=32768))
-    with scripted_server(path, MODEL, EOS, lambda text: list(text.encode())) as (url, model):
-        model.say(ANSWER)
+    path = build_thinking_model(tmp_path_factory.mktemp("agents") / "thinker-32k",
+                                TinyModelShape(max_position_embeddings=32768))
+    with scripted_server(path, MODEL, EOS, token_ids) as (url, model):
+        model.say(f"{THOUGHT}\n</think>\n\n{ANSWER}")
         yield url, model
 
 
@@ -96,6 +97,8 @@ wire_api = "responses"
     messages = [e["item"]["text"] for e in events
                 if e.get("type") == "item.completed" and e["item"].get("type") == "agent_message"]
     assert messages == [ANSWER]
+    usage = next(e["usage"] for e in events if e.get("type") == "turn.completed")
+    assert usage["reasoning_output_tokens"] == len(THOUGHT)  # a token per byte
 
 
 def test_claude_code_print_mode_finishes_a_turn(agent_server, tmp_path):

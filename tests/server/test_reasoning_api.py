@@ -1,72 +1,24 @@
 """Reasoning apart from the answer on all three APIs, streamed and whole, through a real
 server.
 
-The model is the tiny model with `<think>` and `</think>` as added tokens (so mlx-lm's
-tokenizer reports `has_thinking`) and a template that opens the block in its generation
-prompt, as Qwen3's thinking models and the DeepSeek-R1 distills do. Its weights are
-random, so it is wrapped to write a scripted output (tests/server/scripted.py).
+The model is the tiny model with think markers, scripted (tests/server/scripted.py).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from engine.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS, TinyModelShape, _config, _weights, tokenizer_json
-from tests.server.scripted import ScriptedModel, scripted_server
+from tests.server.scripted import EOS, ScriptedModel, build_thinking_model, scripted_server, token_ids
 
 MODEL = "tiny-thinker"
-THINK = ("<think>", "</think>")
-EOS = 256 + SPECIAL_TOKENS.index("<|im_end|>")
-VOCAB = 256 + len(SPECIAL_TOKENS) + len(THINK)
-OPEN = "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
-TEMPLATE = CHAT_TEMPLATE.replace(OPEN, (
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
-    "{%- if enable_thinking is not defined or enable_thinking %}{{- '<think>\n' }}{%- endif %}"
-    "{%- endif %}"))
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-
-
-def build_thinking_model(path: Path) -> Path:
-    """The tiny model's weights and byte tokenizer, with the think markers added."""
-    from safetensors.numpy import save_file
-
-    assert OPEN in CHAT_TEMPLATE
-    path.mkdir(parents=True)
-    shape = TinyModelShape()
-    save_file(_weights(shape, VOCAB), str(path / "model.safetensors"))
-    tok = tokenizer_json()
-    for i, marker in enumerate(THINK):
-        tok["added_tokens"].append({  # type: ignore[union-attr]
-            "id": 256 + len(SPECIAL_TOKENS) + i, "content": marker, "single_word": False,
-            "lstrip": False, "rstrip": False, "normalized": False, "special": False})
-    (path / "tokenizer.json").write_text(json.dumps(tok))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": shape.max_position_embeddings,
-        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
-        "chat_template": TEMPLATE}))
-    (path / "config.json").write_text(json.dumps(_config(shape, VOCAB)))
-    return path
-
-
-def token_ids(text: str) -> list[int]:
-    """The byte tokenizer's ids, the markers as their added tokens."""
-    ids: list[int] = []
-    for part in re.split("(<think>|</think>)", text):
-        if part in THINK:
-            ids.append(256 + len(SPECIAL_TOKENS) + THINK.index(part))
-        else:
-            ids += list(part.encode())
-    return ids
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +58,8 @@ def test_chat_reasoning_content_whole(thinker):
     assert message["reasoning_content"] == "The user asks about weather."
     assert message["content"] == "It is sunny."
     assert r.json()["choices"][0]["finish_reason"] == "stop"
+    # one token per byte: the reasoning's own text, without the markers and their whitespace
+    assert r.json()["usage"]["completion_tokens_details"] == {"reasoning_tokens": 28}
 
 
 def test_chat_reasoning_content_streamed(thinker):
