@@ -71,8 +71,8 @@ MODES: dict[str, Mode] = {
                     prefix_tokens=8000, prefix_suffix_tokens=64, pressure_requests=40,
                     pressure_prompt_tokens=32768, pressure_max_tokens=16, pressure_timeout_s=900,
                     pressure_deadline_s=240, request_timeout_s=600,
-                    prefill_lengths=(1000, 4000, 16000, 32000), interference_concurrency=31,
-                    interference_max_tokens=512, interference_long_tokens=32768,
+                    prefill_lengths=(1000, 4000, 16000, 32000), interference_concurrency=8,
+                    interference_max_tokens=1024, interference_long_tokens=100_000,
                     interference_delay_s=2.0),
     ),
 }

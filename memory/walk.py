@@ -17,6 +17,12 @@ token more) for one request at a time, on an idle server with an empty prefix ca
 - a chunk that does not fit is halved down to the floor before the request is refused,
   and a request whose full-size first chunk does not fit is still admitted when a
   floor-sized one does.
+
+Nothing else runs on that idle server, so two rules the engine follows beside other
+requests do not enter: the order among prompts (shortest remaining prefill first,
+``engine.step_budget.prefill_order``) and the decode-stall target, which cuts a step's
+prefill only while rows decode (``engine.step_budget.StepBudget``). Beside other requests
+the target only ever makes a chunk smaller, and each chunk is still asked of the guard.
 """
 
 from __future__ import annotations

@@ -66,6 +66,10 @@ def _parser() -> argparse.ArgumentParser:
                        "(default: four prefill steps on CUDA, one elsewhere)")
     serve.add_argument("--prefill-batch", type=int,
                        help="most prompts' chunks one prefill model call takes (default 8; 1: one each)")
+    serve.add_argument("--max-decode-stall-ms", type=float,
+                       help="while streams decode, cut each step's prefill to what keeps the step "
+                       "within this many ms, by the measured cost of a prefill token at its context "
+                       "(0: off; default 100 on GPUs, 250 on the CPU)")
     serve.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
                        help="replay decode steps from traced graphs once the batch holds still "
                        "(default: on CUDA only, where it was measured to win)")

@@ -21,6 +21,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         min_chunk_tokens=settings.min_prefill_chunk,
         max_step_tokens=settings.max_step_tokens,
         prefill_batch=settings.prefill_batch,
+        max_decode_stall_s=settings.max_decode_stall_ms / 1000 or None,
         compile_decode=settings.compile_decode,
         slice_decode=settings.slice_decode,
         warm_up=settings.warm_up,

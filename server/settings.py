@@ -17,6 +17,7 @@ class BackendDefaults:
     prefill_step_size: int
     max_concurrency: int
     step_chunks: int = 1  # the step's token budget, in chunks, unless max_step_tokens is set
+    max_decode_stall_ms: float = 100.0  # a step's time while rows decode and prompts prefill
 
 
 def backend_defaults() -> BackendDefaults:
@@ -29,11 +30,20 @@ def backend_defaults() -> BackendDefaults:
     The step budget on CUDA is four chunks: in two runs each on the H200, 8,192
     tokens per step raised C=64 by 15 % (3,006-3,226 tok/s against 2,491-2,888 with one
     chunk) and left C=32 within the one-chunk runs' spread. On the CPU four chunks did
-    not help (docs/throughput.md)."""
+    not help (docs/throughput.md).
+
+    The decode-stall target is 100 ms on GPUs, and 250 on the CPU: there a prefill token of
+    even the tiny model costs 2-4 ms at a few thousand tokens of context (two cores), so at
+    100 ms the smallest chunk alone overruns the target past about 2,000 tokens, and a long
+    prompt's prefill took up to 2.5 times the steps it took at 250, where the prefill keeps
+    most of each step beside a 20-50 ms decode step (docs/throughput.md has the figures)."""
     from engine.loader import backend_name
 
-    if backend_name() == "cuda":
+    backend = backend_name()
+    if backend == "cuda":
         return BackendDefaults(prefill_step_size=2048, max_concurrency=64, step_chunks=4)
+    if backend == "cpu":
+        return BackendDefaults(prefill_step_size=512, max_concurrency=32, max_decode_stall_ms=250.0)
     return BackendDefaults(prefill_step_size=512, max_concurrency=32)
 
 
@@ -76,6 +86,12 @@ class Settings(BaseSettings):
         "(default: 4 x prefill_step_size on CUDA, 1 x elsewhere)",
     )
     prefill_batch: int = Field(8, ge=1)
+    max_decode_stall_ms: float = Field(
+        default_factory=lambda: backend_defaults().max_decode_stall_ms, ge=0,
+        description="while streams decode, bound each step's prefill so that the step takes about "
+        "this long, by the measured cost of a prefill token at its context (engine.step_budget; "
+        "0: only max_step_tokens bounds it; default: 100 on GPUs, 250 on the CPU)",
+    )
     compile_decode: bool | None = Field(
         None, description="replay decode steps from traced graphs, mx.compile (None: on CUDA only)"
     )

@@ -162,6 +162,9 @@ def test_a_long_prompt_shares_every_step_with_a_decoding_stream(make_engine):
         assert middle and all(ran == chunk for ran in middle), steps
         assert 0 < last < chunk + FLOOR  # the prompt is finished rather than left a few
         assert sum(ran for ran, _ in steps) == 999
+        report = h.core.stats.step_budget  # /v1/memory's engine.step_budget
+        assert report is not None and report["decode_step_ms"] is not None
+        assert report["bounded_steps"] == (len(steps) if target else 0)
 
 
 def test_a_long_prompt_alone_prefills_at_full_size(make_engine):

@@ -40,3 +40,21 @@ def test_the_step_budget_follows_an_explicit_chunk_size(monkeypatch: pytest.Monk
     assert Settings(prefill_step_size=512, max_step_tokens=600).max_step_tokens == 600
     monkeypatch.setattr("engine.loader.backend_name", lambda: "cpu")
     assert Settings(prefill_step_size=256).max_step_tokens == 256
+
+
+@pytest.mark.parametrize(("backend", "stall_ms"), [("cuda", 100.0), ("metal", 100.0), ("cpu", 250.0)])
+def test_the_decode_stall_target_follows_the_backend(monkeypatch: pytest.MonkeyPatch, backend: str,
+                                                     stall_ms: float) -> None:
+    """The engine gets it in seconds; 0 turns the bound off (only the token budget cuts)."""
+    monkeypatch.setattr("engine.loader.backend_name", lambda: backend)
+    assert Settings().max_decode_stall_ms == stall_ms
+    assert engine_config(Settings()).max_decode_stall_s == stall_ms / 1000
+    assert engine_config(Settings(max_decode_stall_ms=40)).max_decode_stall_s == 0.04
+    assert engine_config(Settings(max_decode_stall_ms=0)).max_decode_stall_s is None
+
+
+def test_the_decode_stall_target_is_a_serve_flag() -> None:
+    from server.cli import _parser, settings_from_args
+
+    args = _parser().parse_args(["serve", "--max-decode-stall-ms", "60"])
+    assert engine_config(settings_from_args(args)).max_decode_stall_s == 0.06
