@@ -189,7 +189,9 @@ def soak(*, duration: float, concurrency: int, model: str, seed: int, rss_growth
         "queue_empty": sum(memory["queue"].values()) == 0,
         "committed_bytes_zero": memory["committed_bytes"] == 0,
         "kv_bytes_zero": memory["kv_bytes"] == 0,
-        "prefix_cache_within_limit": prefix["bytes"] <= prefix["max_bytes"],
+        # an operator's cap, or what the guard leaves the cache (no cap: the default)
+        "prefix_cache_within_limit": prefix["bytes"] <= (
+            prefix["max_bytes"] if prefix["max_bytes"] is not None else prefix["budget_bytes"]),
         "rss_growth_within_bound": growth < rss_growth_mib,
         "no_failed_requests": not failures,
         "clean_exit": exit_code == 0,
@@ -205,8 +207,8 @@ def soak(*, duration: float, concurrency: int, model: str, seed: int, rss_growth
                                                                   "bound": rss_growth_mib},
         "engine_after": {"queue": memory["queue"], "committed_bytes": memory["committed_bytes"],
                          "kv_bytes": memory["kv_bytes"]},
-        "prefix_cache": {k: prefix[k] for k in ("bytes", "max_bytes", "entries", "hits", "misses",
-                                                "evictions")},
+        "prefix_cache": {k: prefix[k] for k in ("bytes", "max_bytes", "budget_bytes", "entries", "hits",
+                                                "misses", "evictions")},
         "server_exit_code": exit_code,
         "checks": checks,
         "ok": all(checks.values()),

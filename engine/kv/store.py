@@ -326,6 +326,25 @@ class KVStore:
         seg = self.segments.get(segment_id)
         return 0 if seg is None else seg.blocks.free
 
+    def cache_only_segments(self, held: dict[int, dict[int, int]]) -> list[tuple[int, int]]:
+        """(id, bytes) of the segments in which `held` (segment -> block -> holds: the prefix
+        cache's) holds blocks and no request lives: dropping those holds frees them. A
+        request's blocks all sit in its own segment, so nothing else can hold theirs."""
+        live = {a.segment.id for a in self.requests.values()}
+        return [(s, self.segments[s].nbytes) for s in held if s in self.segments and s not in live]
+
+    def reusable_blocks(self, segment_id: int, held: dict[int, int]) -> tuple[int, int]:
+        """A segment's free blocks, and how many more dropping the holds `held` (block ->
+        holds) would free."""
+        seg = self.segments.get(segment_id)
+        if seg is None:
+            return 0, 0
+        return seg.blocks.free, sum(1 for b, n in held.items() if seg.blocks.refs(b) == n)
+
+    def free_blocks(self, segment_id: int) -> int:
+        seg = self.segments.get(segment_id)
+        return 0 if seg is None else seg.blocks.free
+
     def stats(self) -> KVStoreStats:
         reserved = self.reserved_bytes()
         used = sum(a.length for a in self.requests.values()) * self.geometry.bytes_per_token
