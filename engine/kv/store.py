@@ -303,30 +303,6 @@ class KVStore:
         self.advance(request_id, self.block_size)
 
     def cache_only_segments(self, held: dict[int, dict[int, int]]) -> list[tuple[int, int]]:
-        """(id, bytes) of the segments in which every used block is held only by `held`
-        (segment -> block -> holds: the prefix cache's): dropping those holds frees them."""
-        out = []
-        for seg_id, blocks in held.items():
-            seg = self.segments.get(seg_id)
-            if seg is not None and len(blocks) == seg.blocks.used and all(
-                seg.blocks.refs(b) == n for b, n in blocks.items()
-            ):
-                out.append((seg_id, seg.nbytes))
-        return out
-
-    def reusable_blocks(self, segment_id: int, held: dict[int, int]) -> tuple[int, int]:
-        """A segment's free blocks, and how many more dropping the holds `held` (block ->
-        holds) would free."""
-        seg = self.segments.get(segment_id)
-        if seg is None:
-            return 0, 0
-        return seg.blocks.free, sum(1 for b, n in held.items() if seg.blocks.refs(b) == n)
-
-    def free_blocks(self, segment_id: int) -> int:
-        seg = self.segments.get(segment_id)
-        return 0 if seg is None else seg.blocks.free
-
-    def cache_only_segments(self, held: dict[int, dict[int, int]]) -> list[tuple[int, int]]:
         """(id, bytes) of the segments in which `held` (segment -> block -> holds: the prefix
         cache's) holds blocks and no request lives: dropping those holds frees them. A
         request's blocks all sit in its own segment, so nothing else can hold theirs."""
