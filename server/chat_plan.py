@@ -92,5 +92,7 @@ async def plan_chat(
     compiled = await compile_grammar(state, grammar, param=param) if grammar is not None else None
     shaping = Shaping(compiled, frequency_penalty, presence_penalty)
     markers = ThinkMarkers.for_tokenizer(tokenizer)
-    opens = markers is not None and opens_in_reasoning(tokenizer, tokens)
+    # A grammar makes the output the document or the call from its first token: no thinking,
+    # even where the template opened the block.
+    opens = markers is not None and compiled is None and opens_in_reasoning(tokenizer, tokens)
     return ChatPlan(tokens, active, syntax, shaping.factory(), markers, opens)

@@ -91,6 +91,19 @@ def test_chat_tool_call_after_reasoning(thinker):
     assert choice["finish_reason"] == "tool_calls"
 
 
+def test_a_response_format_is_the_answer_not_reasoning(thinker):
+    """The template opened the block, but a grammar makes the output the document."""
+    url, model = thinker
+    model.say('{"ok":true}')
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": _user()}], "max_tokens": 50,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}})
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert json.loads(message["content"]) == {"ok": True} and "reasoning_content" not in message
+
+
 # -- Responses --------------------------------------------------------------------------
 
 def test_responses_reasoning_item_whole(thinker):
