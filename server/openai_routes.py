@@ -59,10 +59,11 @@ def _chat_logprobs(tokenizer: Any, items: list[TokenLogprob]) -> dict[str, Any]:
 
 
 def _completion_logprobs(tokenizer: Any, items: Sequence[TokenLogprob | None], offset: int,
-                         prompt: Sequence[int] = ()) -> dict[str, Any]:
+                         prompt: Sequence[int] = (), starts: Sequence[int] | None = None) -> dict[str, Any]:
     """The legacy completions shape. `top_logprobs` holds the `logprobs` most likely tokens
     and the sampled one, as OpenAI's does (so `logprobs: 0` gives the sampled token alone).
-    A scored prompt's entries come first; its first token has nothing before it: null."""
+    A scored prompt's entries come first; its first token has nothing before it: null.
+    `starts`: each token's offset into the echoed text where the tokenizer knows it."""
     tokens: list[str] = []
     values: list[float | None] = []
     tops: list[dict[str, float] | None] = []
@@ -70,7 +71,7 @@ def _completion_logprobs(tokenizer: Any, items: Sequence[TokenLogprob | None], o
     for i, lp in enumerate(items):
         text = _token_text(tokenizer, lp.token if lp is not None else prompt[i])
         tokens.append(text)
-        offsets.append(offset)
+        offsets.append(starts[i] if starts is not None else offset)
         offset += len(text)
         if lp is None:
             values.append(None)
@@ -81,6 +82,26 @@ def _completion_logprobs(tokenizer: Any, items: Sequence[TokenLogprob | None], o
         top.setdefault(text, lp.logprob)
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _text_starts(tokenizer: Any, text: str, tokens: Sequence[int]) -> list[int] | None:
+    """Where each token of `text` starts in it, from the tokenizer's own offsets (a special
+    token it adds, such as BOS, starts where the next one does); None where the tokenizer
+    gives none or tokenises differently."""
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    try:
+        encoded = inner(text, return_offsets_mapping=True)
+    except Exception:  # a tokenizer without offsets
+        return None
+    if list(encoded["input_ids"]) != list(tokens):
+        return None
+    spans = list(encoded["offset_mapping"])
+    starts: list[int] = []
+    for i, (start, end) in enumerate(spans):
+        if start == end == 0 and i + 1 < len(spans):  # added, not in the text
+            start = next((s for s, e in spans[i + 1:] if e > s), len(text))
+        starts.append(start)
+    return starts
 
 
 async def _tokenize_prompts(state: ServerState, body: CompletionRequest) -> list[list[int]]:
@@ -337,7 +358,10 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
         if not want_logprobs or not body.echo:
             return None
         prompt = prompts[choice.index // body.n]
-        result = _completion_logprobs(tokenizer, choice.prompt_logprobs or [None] * len(prompt), 0, prompt)
+        given = body.prompts[choice.index // body.n]
+        starts = _text_starts(tokenizer, given, prompt) if isinstance(given, str) else None
+        result = _completion_logprobs(tokenizer, choice.prompt_logprobs or [None] * len(prompt), 0, prompt,
+                                      starts)
         offsets[choice.index] = len(prefix(choice.index))
         return result
 
