@@ -260,6 +260,9 @@ def test_the_server_serves_it_with_mlx_lm_s_tokens_and_perplexity(
         assert n == ids.shape[1]
         prompt_logprobs = echoed["choices"][0]["logprobs"]["token_logprobs"][1:n]
         server_nll = -sum(prompt_logprobs) / len(prompt_logprobs)
+        offsets = echoed["choices"][0]["logprobs"]["text_offset"][:n]
+        assert offsets == sorted(offsets) and offsets[0] == 0  # BOS takes no room in the echo
+        assert PARAGRAPH.startswith(echoed["choices"][0]["logprobs"]["tokens"][2], offsets[2])
         assert math.exp(server_nll) == pytest.approx(math.exp(nll.item()), rel=0.01)
 
         # multiple choice by log-likelihood: each option's tokens scored from the echoed prompt
