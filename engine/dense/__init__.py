@@ -3,12 +3,12 @@
     store.py   each request's `make_prompt_cache` while it prefills, one merged batch
                cache for the decode rows; bytes counted from `engine.cache_layout`
     runner.py  prefill one request per call, decode the rows in one batched call (or
-               one call per row where a cache kind has no `merge`), sampling as the
+               one call per row where the store does not merge them), sampling as the
                paged runner does
 
 `EngineCore` picks this pair when `CacheLayout.plain_kv` is False (sliding windows, sinks,
-recurrent state, `CacheList`, chunked attention, MLA) or when the model's attention does
-not go through mlx-lm's `scaled_dot_product_attention`.
+recurrent state, `CacheList`, chunked attention, MLA, rows that cannot batch) or when the
+model's attention does not go through mlx-lm's `scaled_dot_product_attention`.
 """
 
 from engine.dense.runner import DenseRunner
