@@ -36,7 +36,7 @@ def backend_defaults() -> BackendDefaults:
     even the tiny model costs 2-4 ms at a few thousand tokens of context (two cores), so at
     100 ms the smallest chunk alone overruns the target past about 2,000 tokens, and a long
     prompt's prefill took up to 2.5 times the steps it took at 250, where the prefill keeps
-    most of each step beside a 20-50 ms decode step (docs/throughput.md has the figures)."""
+    most of each step beside a 20-55 ms decode step (docs/throughput.md has the figures)."""
     from engine.loader import backend_name
 
     backend = backend_name()
