@@ -65,6 +65,9 @@ class DenseRunner:
             prompt = seq.request.prompt_tokens
             logits = self.model(mx.array(prompt[start : start + tokens])[None], cache=caches)
             started = time.perf_counter()
+            # The queued decode step runs first anyway (one stream): waiting for it here
+            # keeps its time out of the prefill's, which the step budget measures.
+            self.settle()
             if seq.scores_prompt:  # logits at position j: the logprob of prompt token j + 1
                 following = prompt[start + 1 : start + 1 + tokens]
                 seq.prompt_logprobs.extend(

@@ -167,6 +167,30 @@ def test_a_long_prompt_shares_every_step_with_a_decoding_stream(make_engine):
         assert report["bounded_steps"] == (len(steps) if target else 0)
 
 
+def test_a_model_served_through_mlx_lms_caches_shares_the_step_alike(make_engine):
+    """The dense path (a sliding-window model) waits for the queued decode step before its
+    prefill as the paged one does, so the same rule holds: one floor-sized chunk a step."""
+    from engine.cache_layout import geometry_for, probe_cache_layout
+    from engine.dense import DenseStore
+    from engine.loader import LoadedModel
+    from tests.engine import tiny_archs
+
+    model = tiny_archs.build("gemma3_text")
+    layout = probe_cache_layout(model, weights_loaded=True)
+    loaded = LoadedModel(model=model, tokenizer=None, model_id="gemma3_text", path="",
+                         geometry=geometry_for(model, layout), backend="cpu",
+                         context_length=4096, weight_bytes=0, layout=layout)
+    h = make_engine(loaded=loaded, prefill_step_size=256, max_decode_stall_s=TINY_TARGET_S,
+                    prefix_cache_bytes=0)
+    assert isinstance(h.core.store, DenseStore)
+    h.submit(_request("stream", 20, max_tokens=200))
+    h.run_until(lambda: len(h.core.batch) == 1)
+    h.submit(_request("long", 300))
+    steps = _prefill_steps(h, "long")
+    assert [ran for ran, _ in steps] == [FLOOR] * 8 + [43] and all(e == 1 for _, e in steps)
+    assert h.core.batch.settle_s > 0
+
+
 def test_a_long_prompt_alone_prefills_at_full_size(make_engine):
     h = make_engine(prefill_step_size=256, max_decode_stall_s=TINY_TARGET_S, prefix_cache_bytes=0)
     h.submit(_request("long", 1000))
