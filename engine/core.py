@@ -30,6 +30,7 @@ from engine.prefix.disk import open_disk_tier
 from engine.request import EngineRequest, RequestOutput
 from engine.runner import Runner
 from engine.sequence import RequestStatus, Sequence
+from engine.speculative import SpeculativeConfig, Speculator
 from engine.step_budget import StepBudget, prefill_order
 from memory import Decision, MemoryGuard, Outcome, ProbeUnavailableError
 from memory.decision import CODE_PROBE_FAILED, CODE_READING_STALE, CODE_WAITING
@@ -97,6 +98,9 @@ class EngineConfig:
     # with a scale and a bias per `kv_group_size` along head_dim. None: the model's dtype.
     kv_bits: int | None = None
     kv_group_size: int = 64
+    # Speculative decoding (engine.speculative): drafts verified as one chunk per row while
+    # the batch is small. Off unless asked for (docs/throughput.md has what it gains).
+    speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
 
 
 @dataclass(frozen=True)
@@ -147,6 +151,8 @@ class EngineStats:
     warmup_s: float = 0.0  # the start-up warm-up's wall time (engine.warmup); 0: none ran
     # The decode-stall target, the decode step and prefill cost it measures (engine.step_budget)
     step_budget: dict[str, float | int | None] | None = None
+    decode_rows: int = 0  # rows summed over decode steps: generated_tokens / decode_rows per row and step
+    speculative: dict[str, object] | None = None  # acceptance and tokens per step (engine.speculative)
 
 
 @dataclass(frozen=True)
@@ -207,6 +213,8 @@ class EngineCore:
             layout = loaded.cache_layout()
             self.store = DenseStore(self.model, layout, chunk_tokens=config.prefill_step_size)
             log.info("serving %s through mlx-lm's own caches: %s", loaded.model_id, layout.describe())
+            if config.speculative.on:
+                log.warning("speculative decoding needs the paged KV store: off for %s", loaded.model_id)
         self.admission = admission_cls(
             guard, dataclasses.replace(loaded.geometry, kv_bits=config.kv_bits,
                                        kv_group_size=config.kv_group_size),
@@ -230,9 +238,10 @@ class EngineCore:
             if on_cuda_by_default(config.compile_decode, loaded.backend):
                 compiled = CompiledDecode(self.model, self.store, loaded.geometry.num_heads,
                                           after=config.compile_after)
+            speculator = Speculator(config.speculative, loaded.backend) if config.speculative.on else None
             self.batch = Runner(self.model, self.store, overlap=overlap,
                                 prefill_batch=config.prefill_batch, compiled=compiled,
-                                slice_decode=config.slice_decode)
+                                slice_decode=config.slice_decode, speculator=speculator)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # in admission order; each step runs them in prefill_order
         self.step_budget = StepBudget(config.max_decode_stall_s, floor_tokens=config.min_chunk_tokens)
@@ -240,7 +249,7 @@ class EngineCore:
         self.inbox: queue.SimpleQueue[_Submit | _Abort | _Call | None] = queue.SimpleQueue()
         self.stats = EngineStats()
         self._counters = dict(
-            steps=0, decode_steps=0, prefill_chunks=0, prefill_calls=0, batched_steps=0,
+            decode_rows=0, steps=0, decode_steps=0, prefill_chunks=0, prefill_calls=0, batched_steps=0,
             generated_tokens=0, prompt_tokens=0, preemptions=0, oom_recoveries=0, step_failures=0,
         )
         self._failed_steps = 0  # steps in a row that raised (MAX_FAILED_STEPS_IN_A_ROW)
@@ -735,15 +744,20 @@ class EngineCore:
     def _decode(self) -> None:
         if not len(self.batch):
             return
+        rows = len(self.batch)
         produced = self.batch.step()
         self._counters["decode_steps"] += 1
-        self._counters["generated_tokens"] += len(produced)
-        if len(produced) > 1:
+        if len({id(item.seq) for item in produced}) > 1:
             self._counters["batched_steps"] += 1
+        if produced:
+            self._counters["decode_rows"] += rows
         finished: list[Sequence] = []
-        for item in produced:
+        for item in produced:  # a row's tokens in order: several where drafts were accepted
             seq = item.seq
+            if seq.status.finished:
+                continue  # verified past its stop token or max_tokens
             seq.generated += 1
+            self._counters["generated_tokens"] += 1
             seq.outputs.append(item.token)
             status = None
             if item.token in seq.request.stop_token_ids:
@@ -929,7 +943,17 @@ class EngineCore:
             cache_limit_bytes=self.admission.cache_limit_bytes,
             warmup_s=round(self.warmup_s, 3),
             step_budget=self.step_budget.report(),
+            decode_rows=c["decode_rows"],
+            speculative=self._speculative_report(),
         )
+
+    def _speculative_report(self) -> dict[str, object] | None:
+        spec = getattr(self.batch, "speculator", None)
+        if spec is None:
+            return None
+        rows = self._counters["decode_rows"]
+        per_step = round(self._counters["generated_tokens"] / rows, 4) if rows else None
+        return {**spec.report(), "tokens_per_row_step": per_step}
 
     def follow_memory_policy(self) -> int:
         """Re-derive MLX's cache limit after the guard's policy changed; on the engine thread

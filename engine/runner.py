@@ -37,6 +37,7 @@ from engine.request import TokenLogprob
 from engine.sampling import BatchSampler, SampledStep
 from engine.sequence import Sequence
 from engine.slice_choice import SliceChoice
+from engine.speculative import ChunkRow, Speculator, Verified, accepted_length, verify
 
 log = logging.getLogger("mlx_headroom.engine")
 
@@ -52,6 +53,7 @@ class Runner:
     def __init__(
         self, model: Any, store: KVStore, *, overlap: bool = False, prefill_batch: int = 8,
         compiled: CompiledDecode | None = None, slice_decode: bool | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         self.model = model
         self.store = store
@@ -81,6 +83,9 @@ class Runner:
         self.settle_s = 0.0  # of those waits, for a queued decode step before a write (settle)
         # Tensor parallel: every rank feeds back rank 0's tokens (engine.distributed).
         self.agree: Callable[[SampledStep], SampledStep] | None = None
+        # Speculative decoding (engine.speculative): while the batch is small, rows with drafts
+        # verify them in one chunk each. None: every step is the ordinary one.
+        self.speculator = speculator
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -162,6 +167,11 @@ class Runner:
         """Queue this step's forward and sampling, then read back the previous step's tokens."""
         if not self.seqs:
             return []
+        spec = self.speculator
+        if spec is not None and self.agree is None and spec.active(len(self.seqs)):
+            produced = self._speculate(spec)
+            if produced is not None:
+                return produced
         current = self.pending
         n_current = 0 if current is None else current.tokens.shape[0]
         inputs = self._inputs(current)
@@ -200,6 +210,56 @@ class Runner:
             StepToken(seq, tok, logprobs[i] if logprobs else None)
             for i, (seq, tok) in enumerate(zip(emitting, tokens, strict=True))
         ]
+
+    def _speculate(self, spec: Speculator) -> list[StepToken] | None:
+        """A step that verifies drafts: the previous step's tokens are read first (they end
+        the text the drafts are looked up in), then every row runs its input and its drafts
+        as one chunk (none: one token), all rows of a segment in one prefill call. Each row
+        emits the drafts the target agreed with; the target's next token is its new pending
+        one. None, having read but not consumed the previous step, when no row has a draft:
+        the ordinary step runs."""
+        current = self.pending
+        n_current = 0 if current is None else current.tokens.shape[0]
+        tokens = self._read_tokens(current) if current is not None else []
+        allocs = [self.store.get(s.request_id) for s in self.seqs]
+        drafts = []
+        for i, (seq, alloc) in enumerate(zip(self.seqs, allocs, strict=True)):
+            emitted = seq.generated + (i < n_current)  # once this step's pending token is out
+            room = min(seq.request.max_tokens - emitted - 1,  # the target's token ends the run
+                       alloc.capacity * self.store.block_size - alloc.length - 1)
+            drafts.append(spec.propose(seq, tokens[i] if i < n_current else None, room))
+        if not any(drafts):
+            spec.skipped_steps += 1
+            return None
+        self.settle()
+        logprobs = _read_logprobs(current, self.seqs[:n_current]) if current is not None else []
+        if self.sampler.needs_feedback:
+            self.sampler.accept(tokens)
+        inputs = [*tokens, *self.fresh]
+        rows = [
+            ChunkRow(PrefillRow(alloc, (inputs[i], *drafts[i])), seq.request.sampling,
+                     seq.generated + (i < n_current))
+            for i, (seq, alloc) in enumerate(zip(self.seqs, allocs, strict=True))
+        ]
+        started = time.perf_counter()
+        verified = verify(self.model, self.store, rows)
+        self.decode_wait_s += time.perf_counter() - started
+        out: list[StepToken] = []
+        pending: list[tuple[Verified, int]] = []
+        for i, (seq, draft, v) in enumerate(zip(self.seqs, drafts, verified, strict=True)):
+            if i < n_current:
+                out.append(StepToken(seq, tokens[i], logprobs[i] if logprobs else None))
+            n = accepted_length(draft, v.tokens)
+            if draft:
+                spec.record(len(draft), n)
+            out.extend(StepToken(seq, v.tokens[j], _verified_logprob(v, j, seq)) for j in range(n))
+            pending.append((v, n))
+            self.store.advance(seq.request_id, n + 1)
+        spec.steps += 1
+        self.pending = _host_step(pending)
+        self.fresh = []
+        self._lone = None
+        return out
 
     def _choose_path(self, allocs: list[Allocation], now: float) -> bool:
         """Set this step's slice rule; True when the step is one SliceChoice times (a trial
@@ -298,6 +358,32 @@ class Runner:
                     None if p.top_logprobs is None else p.top_logprobs[idx],
                 )
         self.sampler = BatchSampler([s.request.sampling for s in self.seqs])
+        if self.speculator is not None:
+            for seq in leaving:
+                self.speculator.forget(seq)
+
+
+def _verified_logprob(v: Verified, j: int, seq: Sequence) -> TokenLogprob | None:
+    sp = seq.request.sampling
+    if not sp.logprobs or v.logprobs is None:
+        return None
+    top: tuple[tuple[int, float], ...] = ()
+    if v.top_ids is not None and v.top_logprobs is not None and sp.top_logprobs > 0:
+        top = tuple(zip(v.top_ids[j][: sp.top_logprobs], v.top_logprobs[j][: sp.top_logprobs], strict=True))
+    return TokenLogprob(v.tokens[j], v.logprobs[j], top)
+
+
+def _host_step(rows: list[tuple[Verified, int]]) -> SampledStep:
+    """The rows' pending tokens after a verification (each row's position `n`), as the
+    step a later one reads."""
+    tokens = mx.array([v.tokens[n] for v, n in rows], dtype=mx.uint32)
+    first = rows[0][0]
+    logprobs = None if first.logprobs is None else mx.array([v.logprobs[n] for v, n in rows if v.logprobs])
+    top_ids = top_lp = None
+    if first.top_ids is not None:
+        top_ids = mx.array([v.top_ids[n] for v, n in rows if v.top_ids])
+        top_lp = mx.array([v.top_logprobs[n] for v, n in rows if v.top_logprobs])
+    return SampledStep(tokens, logprobs, top_ids, top_lp)
 
 
 def _batches(rows: list[PrefillRow], size: int) -> list[list[PrefillRow]]:
