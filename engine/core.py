@@ -395,12 +395,13 @@ class EngineCore:
         buffer cache is free too: it is handed back first). When the process is over it
         (the ceiling fell, or memory is used elsewhere), the cache's least recently used
         segments go until room for the smallest prefill chunk is left. Otherwise admission
-        evicts, when a request needs the room."""
+        evicts, when a request needs the room. Under tensor parallelism every rank's cache
+        must stay the same, so only the admission decisions rank 0 shares evict there."""
         if decision.outcome not in (Outcome.ADMIT, Outcome.EVICT) or decision.code:
             return
         held = decision.needed_bytes - decision.cache_bytes
         self._prefix_budget = max(decision.limit_bytes - held, 0) + self.prefix_cache.nbytes
-        if held > decision.limit_bytes:
+        if held > decision.limit_bytes and self.lockstep is None:
             margin = self.admission.headroom_bytes(self.config.min_chunk_tokens)
             self.prefix_cache.evict(held - decision.limit_bytes + margin, self._protected(), cause="ceiling")
             self.admission.hand_back()
@@ -466,8 +467,9 @@ class EngineCore:
         if seq.shared is not None and seq.shared.segment_id == segment_id:
             need -= seq.shared.tokens // self.store.block_size
         store = self.store
+        protect = self._protected() | ({seq.prefix_key} if seq.prefix_key else set())  # it left the queue
         self.prefix_cache.evict_in_segment(segment_id, lambda: store.free_blocks(segment_id) >= need,
-                                           self._protected())
+                                           frozenset(protect))
 
     def _reserve(self, seq: Sequence, *, exact: bool) -> None:
         """The request's KV, allocated now for its whole life (prompt + max_tokens)."""

@@ -14,6 +14,7 @@ the process is gone (`Watchdog.grace_s`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -93,6 +94,9 @@ class Rank:
     def _make_core(self, loaded: LoadedModel, guard: MemoryGuard, config: EngineConfig,
                    publish: Callable[[list[Any]], None]) -> EngineCore:
         assert self.lockstep is not None
+        # No prefix-cache disk tier: the ranks would share one folder, and a file that failed
+        # its checks on one rank only would set their caches apart.
+        config = dataclasses.replace(config, prefix_cache_dir=None)
         core = EngineCore(loaded, guard, config, publish, admission_cls=LockstepAdmission)
         run = core.run_forever
 
