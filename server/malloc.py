@@ -25,14 +25,19 @@ import sys
 from pathlib import Path
 
 LIBRARY = "libjemalloc.so.2"
+OPENBLAS = "libopenblas.so.0"
 SEARCH_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
                "/usr/local/lib")
 CHOSEN = "MLX_HEADROOM_MALLOC_CHOSEN"  # set on the re-executed process, so it happens once
 
 
 def find_jemalloc(dirs: tuple[str, ...] = SEARCH_DIRS) -> str | None:
+    return _find(LIBRARY, dirs)
+
+
+def _find(name: str, dirs: tuple[str, ...] = SEARCH_DIRS) -> str | None:
     for d in dirs:
-        path = Path(d, LIBRARY)
+        path = Path(d, name)
         if path.exists():
             return str(path)
     return None
@@ -84,11 +89,35 @@ def leave_jemalloc(choice: str) -> None:
     _reexec({**os.environ, "LD_PRELOAD": kept, CHOSEN: "system"})
 
 
+def with_openblas(environ: dict[str, str], platform: str = sys.platform,
+                  library: str | None = None) -> dict[str, str] | None:
+    """`environ` with Debian's OpenBLAS preloaded, or None where it is preloaded already, not
+    installed (`libopenblas0-pthread`), not Linux, or turned off (`MLX_HEADROOM_OPENBLAS=0`).
+
+    MLX's Linux CPU wheel links a reference BLAS: float32 matmuls at 2-4 GFLOP/s, where the
+    same wheel with OpenBLAS preloaded runs 55-127 (a prompt's prefill and every step of the
+    CPU backend; on CUDA the matmuls are the GPU's and the preload costs nothing)."""
+    if not platform.startswith("linux") or environ.get("MLX_HEADROOM_OPENBLAS", "1") == "0":
+        return None
+    if "libopenblas" in environ.get("LD_PRELOAD", ""):
+        return None
+    library = library or _find(OPENBLAS)
+    if library is None:
+        return None
+    preload = " ".join(p for p in (environ.get("LD_PRELOAD", ""), library) if p)
+    return {**environ, "LD_PRELOAD": preload}
+
+
 def serve_on_jemalloc(choice: str) -> None:
-    """Re-execute this process on jemalloc if `choice` is "auto" and the machine has it;
-    returns only when it does not."""
+    """Re-execute this process on jemalloc if `choice` is "auto" and the machine has it, and
+    with OpenBLAS where it is installed (`with_openblas`); returns only when neither applies."""
     env = reexec_env(choice, dict(os.environ))
-    if env is None or running_allocator() == "jemalloc":
+    if env is not None and running_allocator() == "jemalloc":
+        env = None
+    blas = with_openblas(env or dict(os.environ))
+    if blas is not None:
+        env = blas
+    if env is None:
         return
     _reexec(env)
 

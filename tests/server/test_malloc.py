@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 
-from server.malloc import CHOSEN, early_choice, find_jemalloc, reexec_env
+from server.malloc import CHOSEN, early_choice, find_jemalloc, reexec_env, with_openblas
 
 LIB = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
 
@@ -29,6 +29,21 @@ def test_system_macos_an_existing_preload_or_no_library_leave_the_process_alone(
     assert reexec_env("auto", {}, "darwin", LIB) is None
     assert reexec_env("auto", {"LD_PRELOAD": "/opt/libjemalloc.so.2"}, "linux", LIB) is None
     assert find_jemalloc(("/nonexistent",)) is None
+
+
+def test_openblas_is_preloaded_once_on_linux_unless_turned_off() -> None:
+    blas = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
+    env = with_openblas({"LD_PRELOAD": LIB}, "linux", blas)
+    assert env == {"LD_PRELOAD": f"{LIB} {blas}"}
+    assert with_openblas(env, "linux", blas) is None  # the re-executed process goes on
+    assert with_openblas({}, "darwin", blas) is None
+    assert with_openblas({"MLX_HEADROOM_OPENBLAS": "0"}, "linux", blas) is None
+
+
+def test_the_server_runs_with_openblas_preloaded_where_installed(start_server) -> None:
+    proc = start_server(env={"LD_PRELOAD": ""})
+    assert proc.proc is not None
+    assert "libopenblas" in Path(f"/proc/{proc.proc.pid}/maps").read_text()
 
 
 def test_the_choice_is_read_from_the_command_line_before_the_environment() -> None:
