@@ -95,6 +95,16 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-group-size", type=int, choices=[32, 64, 128],
                        help="values per scale and bias of quantized KV (default 64; must divide "
                        "the model's head_dim)")
+    serve.add_argument("--speculative", choices=["off", "prompt-lookup"],
+                       help="speculative decoding, exact (greedy output unchanged, sampling from the "
+                       "same distribution): prompt-lookup drafts from each request's own prompt and "
+                       "output (default off)")
+    serve.add_argument("--num-speculative-tokens", type=int,
+                       help="drafts per request and step, at most (default 4)")
+    serve.add_argument("--speculative-max-rows", type=int,
+                       help="speculate only while at most this many requests decode; above it the "
+                       "batch is compute-bound and speculation turns itself off (default: 8 on CUDA, "
+                       "2 on the CPU, 4 on Metal)")
     serve.add_argument("--prefix-cache-bytes", type=int,
                        help="cap the prefix cache (0: off; default: no cap, it fills what admission "
                        "leaves free under the memory ceiling and is evicted first)")

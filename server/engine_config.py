@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from engine import EngineConfig
 from engine.distributed.config import GroupConfig
+from engine.speculative import SpeculativeConfig
 from memory import MemoryGuard, Probe, ResilientProbe, Tier, detect_probe
 from server.settings import Settings
 
@@ -28,6 +29,8 @@ def engine_config(settings: Settings) -> EngineConfig:
         gil_switch_interval_s=settings.gil_switch_interval_ms / 1000,
         kv_bits=settings.kv_bits,
         kv_group_size=settings.kv_group_size,
+        speculative=SpeculativeConfig(settings.speculative, settings.num_speculative_tokens,
+                                      settings.speculative_max_rows),
     )
 
 

@@ -78,6 +78,7 @@ class EngineCollector(Collector):
                                 value=limit)
         yield GaugeMetricFamily("mlx_headroom_prefix_cache_entries", "blocks in the prefix cache",
                                 value=prefix.entries if prefix else 0)
+        yield from _speculative_metrics(stats.speculative or {})
 
 
 class Metrics:
@@ -130,6 +131,24 @@ class Metrics:
 @router.get("/metrics", include_in_schema=False)
 async def metrics(request: Request) -> Response:
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _speculative_metrics(spec: dict[str, Any]) -> Iterator[Metric]:
+    """Speculative decoding (engine.speculative), the served model's; zeros when it is off."""
+    for name, doc, key in (
+        ("drafted_tokens", "draft tokens verified", "drafted_tokens"),
+        ("accepted_tokens", "draft tokens the target agreed with", "accepted_tokens"),
+        ("verified_rows", "rows that verified drafts, one per row and step", "rows_verified"),
+    ):
+        yield CounterMetricFamily(f"mlx_headroom_speculative_{name}", doc, value=spec.get(key) or 0)
+    yield GaugeMetricFamily("mlx_headroom_speculative_acceptance_rate",
+                            "accepted / drafted tokens", value=spec.get("acceptance_rate") or 0)
+    yield GaugeMetricFamily("mlx_headroom_speculative_tokens_per_verified_row",
+                            "tokens a row emits in a step that verified its drafts",
+                            value=spec.get("tokens_per_verified_row") or 0)
+    yield GaugeMetricFamily("mlx_headroom_decode_tokens_per_row_step",
+                            "tokens a decoding request gets per engine step (1 without speculation)",
+                            value=spec.get("tokens_per_row_step") or 0)
 
 
 def _memory_gauges(guard: MemoryGuard) -> Iterator[Metric]:

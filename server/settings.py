@@ -115,6 +115,15 @@ class Settings(BaseSettings):
     kv_group_size: Literal[32, 64, 128] = Field(
         64, description="values per scale and bias of quantized KV; must divide the model's head_dim",
     )
+    speculative: Literal["off", "prompt-lookup"] = Field(
+        "off", description="speculative decoding: prompt-lookup drafts from each request's own prompt "
+        "and output, verified exactly while the batch is small (engine.speculative); off: none",
+    )
+    num_speculative_tokens: int = Field(4, ge=1, le=64, description="drafts per request and step, at most")
+    speculative_max_rows: int | None = Field(
+        None, ge=1, description="speculate only while at most this many requests decode "
+        "(default: 8 on CUDA, 2 on the CPU, 4 on Metal)",
+    )
     gil_switch_interval_ms: float = Field(
         1.0, gt=0, le=100,
         description="Python's thread switch interval while the engine runs (sys.setswitchinterval), "

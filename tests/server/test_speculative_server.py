@@ -1,0 +1,31 @@
+"""Speculative decoding through the server: --speculative prompt-lookup gives the text the
+default server gives (greedy), and /v1/memory and /metrics report its acceptance."""
+
+from __future__ import annotations
+
+import httpx
+
+MODEL = "mlx-headroom/tiny-chat"
+PROMPT = "def area(w, h):\n    return w * h\n\n" * 6
+
+
+def _complete(url: str) -> dict:
+    r = httpx.post(f"{url}/v1/completions", timeout=120,
+                   json={"model": MODEL, "prompt": PROMPT, "max_tokens": 48, "temperature": 0, "logprobs": 1})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_prompt_lookup_serves_the_same_text_and_reports_acceptance(server, start_server) -> None:
+    plain = _complete(server.url)
+    proc = start_server(args=["--speculative", "prompt-lookup", "--speculative-max-rows", "8"])
+    spec = _complete(proc.url)
+    assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert spec["usage"] == plain["usage"]
+    engine = httpx.get(f"{proc.url}/v1/memory").json()["engine"]
+    report = engine["speculative"]
+    assert report["method"] == "prompt-lookup" and report["max_rows"] == 8
+    assert report["drafted_tokens"] > 0
+    metrics = httpx.get(f"{proc.url}/metrics").text
+    assert f"mlx_headroom_speculative_drafted_tokens_total {float(report['drafted_tokens'])}" in metrics
+    assert "mlx_headroom_speculative_acceptance_rate" in metrics
