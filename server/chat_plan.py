@@ -1,7 +1,7 @@
 """What a chat-shaped request (OpenAI chat, the Responses API) turns into before it is
 submitted: prompt tokens through the chat template, the tools in play, the grammar that
 forces a call or a response format, and each choice's output parser (reasoning apart, then
-tool calls: server/reasoning.py).
+tool calls: server/reasoning.py; gpt-oss's Harmony channels: server/harmony.py).
 
 Everything that can fail on bad input (the template, the tools, the schema) fails here,
 as a 400, before anything reaches the engine.
@@ -15,7 +15,8 @@ from typing import Any
 
 from engine.grammar import Grammar
 from server.errors import BadRequest
-from server.reasoning import OutputParser, ThinkMarkers, opens_in_reasoning
+from server.harmony import HarmonyParser, is_harmony
+from server.reasoning import OutputParser, TextParser, ThinkMarkers, opens_in_reasoning
 from server.state import ServerState
 from server.structured import ProcessorFactory, Shaping, compile_grammar, grammar_compiler
 from server.tools import (
@@ -38,9 +39,12 @@ class ChatPlan:
     new_processor: ProcessorFactory = lambda: None
     markers: ThinkMarkers | None = None  # the model's think markers, when it has them
     opens_reasoning: bool = False  # the prompt ends inside a thinking block
+    harmony_tail: str | None = None  # gpt-oss: the prompt's last header, read as Harmony
 
-    def parser(self) -> OutputParser:
+    def parser(self) -> TextParser:
         """A fresh parser for one choice."""
+        if self.harmony_tail is not None:
+            return HarmonyParser(tools=bool(self.tools), prompt_tail=self.harmony_tail)
         tools = ToolCallParser(self.syntax, self.tools) if self.syntax is not None else None
         return OutputParser(tools, self.markers, reasoning=self.opens_reasoning)
 
@@ -79,6 +83,10 @@ async def plan_chat(
     except Exception as exc:
         raise BadRequest(f"the messages could not be formatted: {exc}", param=messages_param) from exc
 
+    harmony = is_harmony(tokenizer)
+    if harmony and active and choice.forces_call:
+        raise BadRequest("forcing a tool call is not supported for gpt-oss's Harmony format; use "
+                         "tool_choice 'auto'", code="invalid_tools", param=tools_param)
     syntax = ToolSyntax.for_tokenizer(tokenizer) if active else None
     grammar = response_format
     param = format_param
@@ -95,4 +103,6 @@ async def plan_chat(
     # A grammar makes the output the document or the call from its first token: no thinking,
     # even where the template opened the block.
     opens = markers is not None and compiled is None and opens_in_reasoning(tokenizer, tokens)
-    return ChatPlan(tokens, active, syntax, shaping.factory(), markers, opens)
+    # A grammar makes the output the document from its first token, without a header.
+    tail = tokenizer.decode(tokens[-16:]) if harmony and compiled is None else None
+    return ChatPlan(tokens, active, syntax, shaping.factory(), markers, opens, tail)

@@ -22,7 +22,7 @@ thinking).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from server.tools import ContentText, ParseEvent, ToolCall, ToolCallParser
 
@@ -69,7 +69,7 @@ class OutputPiece:
     reasoning: str = ""
     calls: list[ToolCall] = field(default_factory=list)
 
-    def _add(self, event: OutputEvent) -> None:
+    def add(self, event: OutputEvent) -> None:
         last = self.events[-1] if self.events else None
         if isinstance(event, ReasoningText):
             if not event.text:
@@ -89,11 +89,22 @@ class OutputPiece:
 
     def extend(self, other: OutputPiece) -> None:
         for event in other.events:
-            self._add(event)
+            self.add(event)
         self.calls += other.calls
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+class TextParser(Protocol):
+    """What the APIs read a choice's text through: `OutputParser`, or gpt-oss's
+    `HarmonyParser` (server/harmony.py)."""
+
+    calls: list[ToolCall]
+
+    def feed(self, text: str) -> OutputPiece: ...
+    def finish(self) -> OutputPiece: ...
+    def reasoning_tokens(self, tokenizer: Any) -> int: ...
+
+
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):
@@ -152,13 +163,13 @@ class OutputParser:
     def _content(self, text: str, *, final: bool) -> OutputPiece:
         piece = OutputPiece()
         if self._tools is None:
-            piece._add(ContentText(text))
+            piece.add(ContentText(text))
             return piece
         parsed = self._tools.feed(text)
         if final:
             parsed.extend(self._tools.finish())
         for event in parsed.events:
-            piece._add(event)
+            piece.add(event)
         piece.calls += parsed.calls
         return piece
 
@@ -182,7 +193,7 @@ class OutputParser:
             if marker != self._call_start:
                 self._buffer = self._buffer[len(marker):]
             if self._reasoning:
-                piece._add(ReasoningText(before.rstrip()))
+                piece.add(ReasoningText(before.rstrip()))
             else:
                 piece.extend(self._content(before, final=False))
             self._reasoning = not self._reasoning
@@ -190,7 +201,7 @@ class OutputParser:
         if final:
             rest, self._buffer = self._buffer, ""
             if self._reasoning:
-                piece._add(ReasoningText(rest.rstrip()))
+                piece.add(ReasoningText(rest.rstrip()))
                 piece.extend(self._content("", final=True))
             else:
                 piece.extend(self._content(rest, final=True))
@@ -198,11 +209,11 @@ class OutputParser:
         # Hold back what may begin a marker; in reasoning also trailing whitespace, which
         # is layout if the end marker follows.
         markers = [self._markers.end, self._call_start] if self._reasoning else [self._markers.start]
-        keep = max(_partial_suffix(self._buffer, m) for m in markers if m)
+        keep = max(partial_suffix(self._buffer, m) for m in markers if m)
         ready = self._buffer[: len(self._buffer) - keep]
         if self._reasoning:
             ready = ready.rstrip()
-            piece._add(ReasoningText(ready))
+            piece.add(ReasoningText(ready))
         else:
             piece.extend(self._content(ready, final=False))
         self._buffer = self._buffer[len(ready):]

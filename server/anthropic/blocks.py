@@ -23,7 +23,7 @@ from typing import Any
 
 from pydantic_core import from_json
 
-from server.reasoning import OutputEvent, OutputParser, ReasoningText
+from server.reasoning import OutputEvent, ReasoningText, TextParser
 from server.tools import ArgumentsDelta, CallDone, CallStarted, ContentText, ToolCallParser
 
 Event = tuple[str, dict[str, Any]]
@@ -44,7 +44,7 @@ def tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def parse_events(parser: OutputParser | ToolCallParser | None, text: str, *,
+def parse_events(parser: TextParser | ToolCallParser | None, text: str, *,
                  final: bool) -> list[OutputEvent]:
     if parser is None:
         return [ContentText(text)] if text else []
@@ -61,7 +61,7 @@ class BlockStream:
     `feed` returns (event name, payload) pairs: content_block_start / _delta / _stop.
     """
 
-    parser: OutputParser | ToolCallParser | None
+    parser: TextParser | ToolCallParser | None
     thinking: bool = False  # the request enabled thinking: reasoning becomes thinking blocks
     calls: int = 0
     _events: list[Event] = field(default_factory=list)

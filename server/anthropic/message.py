@@ -6,7 +6,7 @@ from typing import Any
 
 from server.anthropic.blocks import BlockStream, whole_content
 from server.generation import Generation
-from server.reasoning import OutputParser
+from server.reasoning import TextParser
 
 STOP_REASONS = {"length": "max_tokens", "stop": "end_turn"}
 
@@ -49,7 +49,7 @@ def message_shell(generation: Generation, model: str) -> dict[str, Any]:
     }
 
 
-def message_body(generation: Generation, model: str, parser: OutputParser | None, *,
+def message_body(generation: Generation, model: str, parser: TextParser | None, *,
                  thinking: bool = False) -> dict[str, Any]:
     blocks = BlockStream(parser, thinking)
     content = whole_content(blocks.feed(generation.choices[0].text.text, final=True))

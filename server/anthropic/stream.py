@@ -24,7 +24,7 @@ from server.anthropic.errors import error_body
 from server.anthropic.message import message_shell, stop_fields, usage
 from server.errors import APIError
 from server.generation import Generation
-from server.reasoning import OutputParser
+from server.reasoning import TextParser
 
 
 def sse(event: str, data: dict[str, Any]) -> bytes:
@@ -39,7 +39,7 @@ async def _events(generation: Generation, first: Any) -> AsyncIterator[Any]:
 
 
 async def message_events(
-    generation: Generation, first: Any, model: str, parser: OutputParser | None, *,
+    generation: Generation, first: Any, model: str, parser: TextParser | None, *,
     thinking: bool = False,
 ) -> AsyncIterator[bytes]:
     """The events of a generation whose first event (or end) has arrived; closing aborts it."""

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from server.errors import APIError
-from server.reasoning import OutputParser, ReasoningText
+from server.reasoning import OutputParser, ReasoningText, TextParser
 from server.responses.schemas import ResponsesRequest
 from server.responses.toolset import Toolset, custom_input
 from server.tools import ArgumentsDelta, CallDone, CallStarted, ContentText
@@ -34,7 +34,7 @@ class ResponseBuilder:
     """The response object and its output items, built as the text arrives; with
     `events` on, also the stream's events in order, numbered."""
 
-    def __init__(self, body: ResponsesRequest, model: str, parser: OutputParser | None,
+    def __init__(self, body: ResponsesRequest, model: str, parser: TextParser | None,
                  toolset: Toolset | None = None, *,
                  reasoning_tokens: Callable[[], int] = lambda: 0) -> None:
         self.body = body

@@ -7,7 +7,8 @@ script's next token. A prompt starts the script over; after it, the model writes
 
 `build_thinking_model` is the tiny model with `<think>` and `</think>` as added tokens (so
 mlx-lm's tokenizer reports `has_thinking`) and a template that opens the block in its
-generation prompt, as Qwen3's thinking models and the DeepSeek-R1 distills do.
+generation prompt, as Qwen3's thinking models and the DeepSeek-R1 distills do;
+`build_harmony_model` the tiny model with gpt-oss's Harmony markers and layout.
 """
 
 from __future__ import annotations
@@ -32,24 +33,47 @@ from tests.conftest import free_port
 
 THINK = ("<think>", "</think>")
 EOS = 256 + SPECIAL_TOKENS.index("<|im_end|>")
-VOCAB = 256 + len(SPECIAL_TOKENS) + len(THINK)
 OPEN = "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 TEMPLATE = CHAT_TEMPLATE.replace(OPEN, (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
     "{%- if enable_thinking is not defined or enable_thinking %}{{- '<think>\n' }}{%- endif %}"
     "{%- endif %}"))
+# gpt-oss's Harmony markers, and a template in its layout: tools in a developer message,
+# calls and results as commentary messages, the generation prompt `<|start|>assistant`.
+HARMONY = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>",
+           "<|constrain|>")
+HARMONY_TEMPLATE = (
+    "{%- if tools %}{{- '<|start|>developer<|message|># Tools\n' }}"
+    "{%- for tool in tools %}{{- (tool | tojson) + '\n' }}{%- endfor %}{{- '<|end|>' }}{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'tool' %}"
+    "{{- '<|start|>functions.tool to=assistant<|channel|>commentary<|message|>' + m['content'] + '<|end|>' }}"
+    "{%- elif m['role'] == 'assistant' and m.get('tool_calls') %}"
+    "{%- for c in m['tool_calls'] %}"
+    "{{- '<|start|>assistant to=functions.' + c['function']['name'] + '<|channel|>commentary json<|message|>'"
+    " + (c['function']['arguments'] | tojson) + '<|call|>' }}"
+    "{%- endfor %}"
+    "{%- elif m['role'] == 'assistant' %}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + (m['content'] or '') + '<|end|>' }}"
+    "{%- else %}{{- '<|start|>' + m['role'] + '<|message|>' + (m['content'] or '') + '<|end|>' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
+)
+HARMONY_EOS = tuple(256 + len(SPECIAL_TOKENS) + HARMONY.index(t) for t in ("<|return|>", "<|call|>"))
 
 
-def build_thinking_model(path: Path, shape: TinyModelShape | None = None) -> Path:
-    """The tiny model's weights and byte tokenizer, with the think markers added."""
+def build_marked_model(path: Path, markers: tuple[str, ...], template: str, *,
+                       shape: TinyModelShape | None = None, eos: tuple[int, ...] = (EOS,)) -> Path:
+    """The tiny model's weights and byte tokenizer, with `markers` as added tokens (ids
+    from 256 + the tiny model's special tokens on) and `template` as its chat template."""
     from safetensors.numpy import save_file
 
     shape = shape or TinyModelShape()
-    assert OPEN in CHAT_TEMPLATE
+    vocab = 256 + len(SPECIAL_TOKENS) + len(markers)
     path.mkdir(parents=True)
-    save_file(_weights(shape, VOCAB), str(path / "model.safetensors"))
+    save_file(_weights(shape, vocab), str(path / "model.safetensors"))
     tok = tokenizer_json()
-    for i, marker in enumerate(THINK):
+    for i, marker in enumerate(markers):
         tok["added_tokens"].append({  # type: ignore[union-attr]
             "id": 256 + len(SPECIAL_TOKENS) + i, "content": marker, "single_word": False,
             "lstrip": False, "rstrip": False, "normalized": False, "special": False})
@@ -58,17 +82,28 @@ def build_thinking_model(path: Path, shape: TinyModelShape | None = None) -> Pat
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": shape.max_position_embeddings,
         "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
         "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
-        "chat_template": TEMPLATE}))
-    (path / "config.json").write_text(json.dumps(_config(shape, VOCAB)))
+        "chat_template": template}))
+    (path / "config.json").write_text(json.dumps({**_config(shape, vocab), "eos_token_id": list(eos)}))
     return path
 
 
-def token_ids(text: str) -> list[int]:
+def build_thinking_model(path: Path, shape: TinyModelShape | None = None) -> Path:
+    """The tiny model with `<think>` and `</think>`, its template opening the block."""
+    assert OPEN in CHAT_TEMPLATE
+    return build_marked_model(path, THINK, TEMPLATE, shape=shape)
+
+
+def build_harmony_model(path: Path) -> Path:
+    """The tiny model with Harmony's markers and template; `<|return|>` and `<|call|>` end."""
+    return build_marked_model(path, HARMONY, HARMONY_TEMPLATE, eos=HARMONY_EOS)
+
+
+def token_ids(text: str, markers: tuple[str, ...] = THINK) -> list[int]:
     """The byte tokenizer's ids, the markers as their added tokens."""
     ids: list[int] = []
-    for part in re.split("(<think>|</think>)", text):
-        if part in THINK:
-            ids.append(256 + len(SPECIAL_TOKENS) + THINK.index(part))
+    for part in re.split("(" + "|".join(re.escape(m) for m in markers) + ")", text):
+        if part in markers:
+            ids.append(256 + len(SPECIAL_TOKENS) + markers.index(part))
         else:
             ids += list(part.encode())
     return ids

@@ -1,7 +1,8 @@
 """Reasoning apart from the answer on all three APIs, streamed and whole, through a real
 server.
 
-The model is the tiny model with think markers, scripted (tests/server/scripted.py).
+The models are the tiny model with think markers, and with gpt-oss's Harmony markers and
+layout, scripted (tests/server/scripted.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,16 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server.scripted import EOS, ScriptedModel, build_thinking_model, scripted_server, token_ids
+from tests.server.scripted import (
+    EOS,
+    HARMONY,
+    HARMONY_EOS,
+    ScriptedModel,
+    build_harmony_model,
+    build_thinking_model,
+    scripted_server,
+    token_ids,
+)
 
 MODEL = "tiny-thinker"
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -181,3 +191,71 @@ def test_anthropic_thinking_streamed_through_the_sdk_with_a_tool_call(thinker):
     assert final.content[0].thinking == "Use the tool."
     assert final.content[1].input == {"city": "Paris"} and final.stop_reason == "tool_use"
     assert "thinking" in kinds or "content_block_delta" in kinds
+
+
+# -- gpt-oss's Harmony channels ---------------------------------------------------------
+
+H_THINK = "<|channel|>analysis<|message|>Need the weather tool.<|end|>"
+H_CALL = ('<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json'
+          '<|message|>{"city": "Paris"}')
+H_FINAL = "<|start|>assistant<|channel|>final<|message|>It is sunny."
+
+
+@pytest.fixture(scope="module")
+def harmony(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, ScriptedModel]]:
+    path = build_harmony_model(tmp_path_factory.mktemp("harmony") / "model")
+    with scripted_server(path, MODEL, HARMONY_EOS[0], lambda t: token_ids(t, HARMONY)) as served:
+        yield served
+
+
+def test_harmony_analysis_is_reasoning_and_commentary_a_call_on_chat(harmony):
+    url, model = harmony
+    model.say(H_THINK + H_CALL)
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": _user()}], "max_tokens": 300,
+        "tools": [TOOL]})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"]["reasoning_content"] == "Need the weather tool."
+    assert choice["message"]["content"] is None and choice["finish_reason"] == "tool_calls"
+    call = choice["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Paris"}
+
+
+def test_harmony_final_is_the_answer_streamed_on_chat_and_responses(harmony):
+    url, model = harmony
+    model.say(H_THINK + H_FINAL)
+    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": _user()}], "max_tokens": 300,
+            "stream": True}) as r:
+        deltas = [e["choices"][0]["delta"] for _, e in _sse(r) if e.get("choices")]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Need the weather tool."
+    assert "".join(d.get("content") or "" for d in deltas) == "It is sunny."
+    r = httpx.post(f"{url}/v1/responses", timeout=60,
+                   json={"model": MODEL, "input": _user(), "max_output_tokens": 300})
+    output = r.json()["output"]
+    assert [item["type"] for item in output] == ["reasoning", "message"]
+    assert output[0]["content"][0]["text"] == "Need the weather tool."
+    assert output[1]["content"][0]["text"] == "It is sunny."
+
+
+def test_harmony_on_anthropic_thinking_and_tool_use(harmony):
+    url, model = harmony
+    model.say(H_THINK + H_CALL)
+    tool = {"name": "get_weather", "input_schema": TOOL["function"]["parameters"]}
+    r = httpx.post(f"{url}/v1/messages", timeout=60, json=_messages(
+        {"type": "enabled", "budget_tokens": 1024}, tools=[tool]))
+    assert r.status_code == 200, r.text
+    content = r.json()["content"]
+    assert [b["type"] for b in content] == ["thinking", "tool_use"]
+    assert content[0]["thinking"] == "Need the weather tool."
+    assert content[1]["input"] == {"city": "Paris"} and r.json()["stop_reason"] == "tool_use"
+
+
+def test_harmony_refuses_a_forced_call_clearly(harmony):
+    url, _ = harmony
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": _user()}], "tools": [TOOL],
+        "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_tools"
+    assert "Harmony" in r.json()["error"]["message"]
