@@ -25,8 +25,10 @@ that never becomes a header (no marker in its first `PLAIN_AFTER` characters) is
 
 from __future__ import annotations
 
+import contextlib
 import re
 import uuid
+import weakref
 from typing import Any
 
 from server.reasoning import OutputPiece, ReasoningText, partial_suffix
@@ -41,13 +43,25 @@ _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 _MARKER = re.compile(r"<\|[a-z_]+\|>")
 
 
+_known: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
 def is_harmony(tokenizer: Any) -> bool:
-    """Whether the vocabulary has Harmony's header markers (gpt-oss)."""
+    """Whether the vocabulary has Harmony's header markers (gpt-oss). Asked once per
+    tokenizer (an unloaded model's is forgotten): building a large vocabulary's dict takes
+    tens of milliseconds."""
+    try:
+        return _known[tokenizer]
+    except (KeyError, TypeError):
+        pass
     try:
         vocab = tokenizer.get_vocab()
     except Exception:
-        return False
-    return all(m in vocab for m in ("<|channel|>", MESSAGE, "<|end|>", START))
+        vocab = {}
+    known = all(m in vocab for m in ("<|channel|>", MESSAGE, "<|end|>", START))
+    with contextlib.suppress(TypeError):  # a tokenizer that takes no weak reference
+        _known[tokenizer] = known
+    return known
 
 
 class HarmonyParser:
