@@ -118,6 +118,8 @@ class EngineStats:
     kv_bytes_per_token: int = 0
     kv_block_size: int = 0
     kv_segments: int = 0
+    kv_bits: int | None = None  # quantized KV's bits; None: the model's dtype
+    kv_group_size: int | None = None  # values per scale and bias of quantized KV
     prefix_cache: PrefixCacheStats | None = None
     prefix_budget_bytes: int = 0  # what the prefix cache may hold now, under the ceiling
     steps: int = 0
@@ -916,6 +918,8 @@ class EngineCore:
             kv_bytes_per_token=kv.bytes_per_token,
             kv_block_size=kv.block_size,
             kv_segments=kv.segments,
+            kv_bits=self.config.kv_bits,
+            kv_group_size=None if self.config.kv_bits is None else self.config.kv_group_size,
             prefix_cache=self.prefix_cache.stats(),
             prefix_budget_bytes=max(self._prefix_budget, self.prefix_cache.nbytes),
             steps=c["steps"],

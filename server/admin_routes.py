@@ -134,6 +134,8 @@ async def memory_view(request: Request) -> dict[str, Any]:
             "pool_bytes": stats.kv_pool_bytes,
             "block_size": stats.kv_block_size,
             "segments": stats.kv_segments,
+            "bits": stats.kv_bits,
+            "group_size": stats.kv_group_size,
         },
         "prefix_cache": {
             "bytes": prefix.bytes if prefix else 0,

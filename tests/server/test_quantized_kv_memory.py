@@ -35,6 +35,7 @@ def test_v1_memory_shows_the_quantized_kv(start_server, tiny_model_path: Path) -
                          "max_tokens": 8, "temperature": 0})
     assert r.status_code == 200, r.text
     m = httpx.get(f"{proc.url}/v1/memory").json()
+    assert (m["kv"]["bits"], m["kv"]["group_size"]) == (8, 32)
     assert m["kv"]["bytes_per_token"] == Q8_PER_TOKEN
     # the prefix cache keeps the prompt's blocks, so one segment of the CPU's 2,048 tokens stays
     assert m["kv"]["pool_bytes"] == 2048 * Q8_PER_TOKEN
