@@ -171,3 +171,22 @@ def test_a_prefix_hit_on_quantized_kv_gives_the_tokens_of_a_miss(make_engine) ->
     h.run_until(lambda: "b" in h.out.finished)
     assert h.out.cached["b"] >= 48  # three whole blocks of the shared prompt came from the cache
     assert h.out.tokens["b"] == miss.out.tokens["b"]
+
+
+def test_speculative_drafts_on_quantized_kv_give_the_tokens_of_plain_decoding(make_engine) -> None:
+    """Verification runs drafts through the prefill path: each position attends to the same
+    quantized K/V a decode step would read."""
+    from engine.speculative import SpeculativeConfig
+
+    rng = random.Random(3)
+    text = [rng.randrange(97, 123) for _ in range(60)]
+    prompt = tuple(text * 3)  # an echo-heavy prompt, so that drafts are proposed and accepted
+    runs = []
+    for spec in ({}, {"speculative": SpeculativeConfig("prompt-lookup", num_tokens=4, max_rows=8)}):
+        h = make_engine(kv_bits=8, kv_group_size=GROUP, prefix_cache_bytes=0, **spec)
+        h.submit(EngineRequest("s", prompt, 48, SamplingParams(temperature=0.0)))
+        h.run_until(lambda h=h: "s" in h.out.finished)
+        runs.append(h)
+    assert runs[1].out.tokens["s"] == runs[0].out.tokens["s"]
+    report = runs[1].core.stats.speculative
+    assert report is not None and report["accepted_tokens"] > 0
