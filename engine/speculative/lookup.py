@@ -56,8 +56,10 @@ class NgramIndex:
             start = self._after[n].get(key)
             if start is None:
                 continue
-            draft = toks[start : start + k]
-            if last is not None and len(draft) < k and start + len(draft) == len(toks):
-                draft.append(last)  # the continuation runs into the known next input
-            return tuple(draft)
+            # What followed runs to the end of the text, next input included: the text repeats
+            # with that period (a loop, a list), so the draft goes on around it.
+            period = toks[start:] + ([last] if last is not None else [])
+            if start + k <= len(toks):
+                return tuple(toks[start : start + k])
+            return tuple(period[i % len(period)] for i in range(k))
         return ()

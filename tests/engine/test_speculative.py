@@ -48,7 +48,8 @@ def _run(make_engine, requests: list[EngineRequest], spec: SpeculativeConfig | N
     ((1, 2, 3, 4, 1), 2, 3, (3, 4, 1)),  # the next input ends the tail
     ((1, 2, 3, 1, 2, 4, 1, 2), None, 2, (4, 1)),  # the latest occurrence wins
     ((5, 6, 7, 8), None, 3, ()),  # nothing repeats
-    ((1, 2, 3, 1), 2, 5, (3, 1, 2)),  # the continuation runs into the next input
+    ((1, 2, 3, 1), 2, 5, (3, 1, 2, 3, 1)),  # into the next input, then around the repeat
+    ((7, 7, 7), None, 3, (7, 7, 7)),
     ((1, 2, 3), None, 0, ()),
 ])
 def test_ngram_index_proposes_what_followed_the_tail(tokens, last, k, draft):
