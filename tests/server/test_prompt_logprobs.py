@@ -6,6 +6,7 @@ numbers equal mlx-lm's own forward pass on the same weights."""
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 
 import httpx
 import mlx.core as mx
@@ -50,7 +51,7 @@ def test_echo_with_logprobs_scores_every_prompt_token_like_mlx_lm(server, refere
     assert lp["token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
     offsets = [*lp["text_offset"], len(PROMPT)]
     assert offsets[0] == 0
-    assert [PROMPT[a:b] for a, b in zip(offsets, offsets[1:])] == lp["tokens"]  # spans of the echo
+    assert [PROMPT[a:b] for a, b in pairwise(offsets)] == lp["tokens"]  # spans of the echo
     for j in range(1, len(tokens)):  # up to 2 alternatives, the prompt's own token always there
         assert lp["tokens"][j] in lp["top_logprobs"][j] and len(lp["top_logprobs"][j]) <= 3
     assert out["usage"]["completion_tokens"] == 0
