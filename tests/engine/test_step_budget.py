@@ -150,12 +150,14 @@ def _prefill_steps(h, rid: str) -> list[tuple[int, int]]:
 def test_a_long_prompt_shares_every_step_with_a_decoding_stream(make_engine):
     """A stream decodes; a 1,000-token prompt arrives. Under a target nothing fits, each
     step runs the smallest chunk of it and one decode step: the stream gets a token between
-    every two of its chunks. With no target, the same prompt takes a whole chunk a step."""
+    every two of its chunks. With no target, the same prompt takes a whole chunk a step.
+    Either way both requests get the same tokens."""
+    outputs = []
     for target, chunk in ((TINY_TARGET_S, FLOOR), (None, 255)):
         h = make_engine(prefill_step_size=256, max_decode_stall_s=target, prefix_cache_bytes=0)
-        h.submit(_request("stream", 20, max_tokens=500))
+        h.submit(_request("stream", 20, max_tokens=60))
         h.run_until(lambda h=h: len(h.core.batch) == 1)
-        h.submit(_request("long", 1000))
+        h.submit(_request("long", 1000, max_tokens=8))
         steps = _prefill_steps(h, "long")
         assert all(emitted == 1 for _, emitted in steps)  # one decode step each
         *middle, last = [ran for ran, _ in steps]
@@ -165,6 +167,9 @@ def test_a_long_prompt_shares_every_step_with_a_decoding_stream(make_engine):
         report = h.core.stats.step_budget  # /v1/memory's engine.step_budget
         assert report is not None and report["decode_step_ms"] is not None
         assert report["bounded_steps"] == (len(steps) if target else 0)
+        h.run_until(lambda h=h: len(h.out.finished) == 2)
+        outputs.append(h.out.tokens)
+    assert outputs[0] == outputs[1]
 
 
 def test_a_model_served_through_mlx_lms_caches_shares_the_step_alike(make_engine):
