@@ -40,6 +40,11 @@ if TYPE_CHECKING:
 # Why an entry left memory.
 CAUSES = ("admission", "ceiling", "cap")
 
+# How long one eviction may spend writing its blocks to the disk tier, on the engine thread:
+# the rest of them are dropped (least recently used first are written, so the ones kept on
+# disk are the likeliest to come back).
+EVICT_WRITE_S = 0.5
+
 
 class BlockStore(Protocol):
     """What the cache needs of the KV store (the dense store answers with no holds)."""
@@ -123,6 +128,8 @@ class PrefixCache:
         # Where evicted full blocks go, and how fast the engine prefills (is reading faster?).
         self.disk: DiskTier | None = None
         self.prefill_rate: Callable[[], float | None] = lambda: None
+        self._write_until = 0.0  # time.monotonic() past which evicted blocks are not written
+        self.unwritten = 0  # full blocks evicted without being written, for want of time
 
     # ---- sizes -----------------------------------------------------------------------
     @property
@@ -272,6 +279,7 @@ class PrefixCache:
         the bytes freed."""
         if nbytes <= 0:
             return 0
+        self._write_until = time.monotonic() + EVICT_WRITE_S
         pinned = self._pinned_segments(protect)
         candidates = {sid for sid, _ in self._cache_only_segments() if sid not in pinned}
         order: list[int] = []  # by most recent use, least recent first
@@ -313,6 +321,7 @@ class PrefixCache:
         Returns the blocks evicted."""
         pinned = self._pinned_keys(protect)
         count = 0
+        self._write_until = time.monotonic() + EVICT_WRITE_S
         for node in [n for n in self._lru.values() if n.segment_id == segment_id]:
             if enough():
                 break
@@ -323,6 +332,7 @@ class PrefixCache:
     def evict_lru(self, blocks: int, *, cause: str) -> int:
         """Evict the least recently used `blocks` blocks, leaves first, wherever they are."""
         count = 0
+        self._write_until = time.monotonic() + EVICT_WRITE_S
         while self._lru and count < blocks:
             count += self._evict_subtree(next(iter(self._lru.values())), cause)
         return count
@@ -340,9 +350,8 @@ class PrefixCache:
         if self.disk is None:
             return 0
         before = self.disk.written
+        self._write_until = float("inf") if deadline is None else deadline
         for node in list(self._lru.values()):
-            if deadline is not None and time.monotonic() > deadline:
-                break
             self._to_disk(node)
         return self.disk.written - before
 
@@ -350,6 +359,7 @@ class PrefixCache:
         disk = None
         if self.disk is not None:
             disk = {k: v for k, v in vars(self.disk.stats(self.prefill_rate())).items() if v is not None}
+            disk["unwritten"] = self.unwritten
         return PrefixCacheStats(
             self.nbytes, len(self._lru), self.hits, self.misses, self.hit_tokens,
             self.evictions, dict(self.evicted), self.max_bytes, disk,
@@ -386,6 +396,9 @@ class PrefixCache:
 
     def _to_disk(self, node: _Node) -> None:
         if self.disk is not None and len(node.tokens) == self.block_size and node.key not in self.disk:
+            if time.monotonic() > self._write_until:
+                self.unwritten += 1
+                return
             arrays = self.store.block_arrays(node.segment_id, node.block)
             self.disk.write(node.key, node.parent.key if node.parent else ROOT, node.tokens, arrays)
 

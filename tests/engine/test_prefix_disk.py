@@ -115,3 +115,14 @@ def test_a_file_of_another_model_is_never_used(make_engine, tmp_path, cold):
     assert cached == 0 and tokens2 == tokens
     assert h2.core.prefix_cache.stats().disk["rejected"] == 1  # the first block's: the read stops
     assert len(list(theirs.glob("*.safetensors"))) == copied - 1  # and that file is gone
+
+
+def test_an_eviction_writes_for_a_bounded_time(make_engine, tmp_path, monkeypatch):
+    """Writes run on the engine thread: past the eviction's time for them, the rest of the
+    blocks are dropped and counted, not written."""
+    monkeypatch.setattr("engine.prefix.cache.EVICT_WRITE_S", -1.0)  # no time at all
+    h = make_engine(prefill_step_size=128, prefix_cache_dir=str(tmp_path))
+    run(h, "a", prompt(1))
+    h.core.prefix_cache.evict(1 << 40)
+    assert not files(tmp_path) and not len(h.core.prefix_cache)
+    assert h.core.prefix_cache.stats().disk["unwritten"] == (PROMPT + 8) // 16
