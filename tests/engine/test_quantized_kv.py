@@ -44,14 +44,17 @@ def _mlx_lm_greedy(path: Path, prompt: tuple[int, ...], max_tokens: int, *,
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_a_row_round_trips_as_mx_quantize_makes_it(bits: int, dtype: mx.Dtype) -> None:
-    q = KVQuant(bits, GROUP, 64, dtype)
-    x = mx.random.normal((5, 2, 64)).astype(dtype)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_a_row_round_trips_as_mx_quantize_makes_it(bits: int, dtype: mx.Dtype, group: int) -> None:
+    """On the CPU decoding unpacks with elementwise ops: bit for bit `mx.dequantize`."""
+    q = KVQuant(bits, group, 128, dtype)
+    x = (3 * mx.random.normal((5, 2, 3, 128))).astype(dtype)
     rows = q.encode(x)
-    assert rows.dtype == mx.uint32 and rows.shape == (5, 2, q.row_words)
-    expected = mx.dequantize(*mx.quantize(x, group_size=GROUP, bits=bits), group_size=GROUP, bits=bits)
+    assert rows.dtype == mx.uint32 and rows.shape == (5, 2, 3, q.row_words)
+    expected = mx.dequantize(*mx.quantize(x, group_size=group, bits=bits), group_size=group, bits=bits)
     assert mx.array_equal(q.decode(rows), expected)
+    assert mx.array_equal(q.decode(rows[:, :, 1:]), expected[:, :, 1:])  # a strided view of rows
 
 
 @pytest.mark.parametrize(("bits", "group", "dtype"),
