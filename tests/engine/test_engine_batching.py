@@ -153,7 +153,7 @@ def test_a_batch_of_rows_of_different_shapes_is_predicted_with_its_mask(make_eng
 def test_ragged_batches_take_no_more_than_was_predicted_for_them(make_engine):
     """Prompts of four lengths prefill in shared calls whose rows differ in start and
     length (array masks). Every call's measured peak stays under the prediction the guard
-    was asked about: the invariant that failed on CUDA in session 13, here on the CPU's
+    was asked about: an invariant that once failed on CUDA, here on the CPU's
     attention (which has no fused path: its estimate counts the scores)."""
     gc.collect()
     mx.clear_cache()

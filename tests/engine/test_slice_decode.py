@@ -69,7 +69,7 @@ def test_a_lone_sliced_row_is_never_traced_and_a_batch_still_is(make_engine):
 
 def test_the_slice_is_on_where_steps_are_eager_and_timed_where_they_are_replayed(make_engine):
     """On two H200 machines the eager slice beat the replayed paged step at C=1 on one and
-    lost on the other (docs/throughput.md, session 12): where steps are replayed, the engine
+    lost on the other (docs/throughput.md): where steps are replayed, the engine
     times both."""
     eager = make_engine(compile_decode=False).core.batch
     assert (eager.tables.runs, eager.slice_choice) == (True, None)
@@ -128,8 +128,8 @@ def test_a_chosen_path_within_the_margin_is_kept(make_engine):
 
 
 def test_released_blocks_come_back_in_their_order():
-    """A released run is handed back as a run (the free stack before session 11 gave it back
-    reversed, and the next lone request was never one slice)."""
+    """A released run is handed back as a run (a free stack would give it back
+    reversed, and the next lone request would never be one slice)."""
     blocks = BlockAllocator(16)
     first = blocks.allocate(5)
     assert first == [0, 1, 2, 3, 4]

@@ -95,8 +95,8 @@ def test_fused_attention_table(head_dim: int, dtype_bytes: int, backend: str, fu
 @pytest.mark.parametrize("backend", ["cuda", "cpu"])
 def test_a_masked_batch_counts_its_additive_mask_and_the_boolean_it_came_from(backend) -> None:
     """On CUDA the old estimate took a masked batch for fused attention and counted no mask
-    at all; three rows of 2,048 tokens over 34,816 ran the H200 out of memory there
-    (session 13). The mask the engine builds is B x C x (T+C) in the activation dtype,
+    at all; three rows of 2,048 tokens over 34,816 ran the H200 out of memory there.
+    The mask the engine builds is B x C x (T+C) in the activation dtype,
     plus its boolean source."""
     g = geometry_from_config(LLAMA3_8B)
     plain = estimate_prefill(g, chunk_tokens=2048, context_tokens=32768, batch=3, backend=backend)
