@@ -52,7 +52,7 @@ def test_a_model_whose_reserve_exceeds_the_ceiling_is_refused_at_start_up(tmp_pa
               "--port", str(free_port()))
     assert out.returncode == 4, out.stderr
     err = out.stderr
-    assert "not loading tiny: tiny does not fit" in err
+    assert f"not loading {MODEL}: {MODEL} does not fit" in err  # the tiny preset's own name
     # the numbers: weights, the reserve's KV, the chunk, the total, and the binding ceiling
     assert "weights 2.5 MiB + KV for 8192 reserved tokens 16.0 MiB + one prefill chunk" in err
     assert "the custom ceiling 23.8 MiB" in err
