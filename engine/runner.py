@@ -251,7 +251,7 @@ class Runner:
                 out.append(StepToken(seq, tokens[i], logprobs[i] if logprobs else None))
             n = accepted_length(draft, v.tokens)
             if draft:
-                spec.record(len(draft), n)
+                spec.record(seq, len(draft), n)
             out.extend(StepToken(seq, v.tokens[j], _verified_logprob(v, j, seq)) for j in range(n))
             pending.append((v, n))
             self.store.advance(seq.request_id, n + 1)

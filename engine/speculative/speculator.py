@@ -14,6 +14,10 @@ DEFAULT_TOKENS = 4
 # more than the steps it saves: speculation turns itself off. CUDA: vLLM's rule of thumb;
 # the CPU: measured (docs/throughput.md, speculative decoding); Metal: unmeasured.
 MAX_ROWS = {"cuda": 8, "cpu": 2, "metal": 4}
+# A row whose drafts were all rejected n verifications in a row drafts again only after
+# min(2^n - 1, MAX_BACKOFF) steps: a failed verification cost 1.3x an ordinary step at
+# batch 1 on the H200 (docs/speculative-decoding.md), so text that does not echo stops paying it.
+MAX_BACKOFF = 15
 
 
 def default_max_rows(backend: str) -> int:
@@ -43,6 +47,8 @@ class SpeculativeConfig:
 class _Row:
     index: NgramIndex
     seen: int = 0  # of the sequence's outputs, how many the index holds
+    misses: int = 0  # verifications in a row that accepted nothing
+    wait: int = 0  # steps to go before it drafts again
 
 
 class Speculator:
@@ -55,6 +61,7 @@ class Speculator:
         self.drafted = 0
         self.accepted = 0
         self.skipped_steps = 0  # steps with few enough rows where no row found a draft
+        self.backed_off = 0  # row steps without a draft because the row's last ones failed
 
     def active(self, rows: int) -> bool:
         return rows <= self.max_rows
@@ -74,12 +81,19 @@ class Speculator:
         if row.seen < len(seq.outputs):
             row.index.extend(seq.outputs[row.seen :])
             row.seen = len(seq.outputs)
+        if row.wait:
+            row.wait -= 1
+            self.backed_off += 1
+            return ()
         return row.index.propose(k, last)
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
         self.rows += 1
         self.drafted += drafted
         self.accepted += accepted
+        row = self._rows[seq.request_id]
+        row.misses = 0 if accepted else row.misses + 1
+        row.wait = min((1 << row.misses) - 1, MAX_BACKOFF)
 
     def forget(self, seq: Sequence) -> None:
         self._rows.pop(seq.request_id, None)
@@ -93,6 +107,7 @@ class Speculator:
             "rows_verified": self.rows,
             "drafted_tokens": self.drafted,
             "accepted_tokens": self.accepted,
+            "backed_off_row_steps": self.backed_off,
             "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
             # tokens a verified row emitted in its step: the accepted drafts and the target's own
             "tokens_per_verified_row": (

@@ -164,3 +164,20 @@ def test_acceptance_samples_the_targets_distribution():
     plain = BatchSampler([params] * draws).sample(mx.repeat(logits, draws, axis=0), [0] * draws)
     without = np.bincount(plain.tokens.tolist(), minlength=vocab) / draws
     assert 0.5 * np.abs(first - without).sum() < 0.02
+
+
+def test_a_row_whose_drafts_fail_backs_off():
+    from engine.sequence import Sequence
+    from engine.speculative import Speculator
+
+    spec = Speculator(SpeculativeConfig("prompt-lookup", num_tokens=3), "cpu")
+    seq = Sequence(EngineRequest("r", (1, 2, 3, 1, 2), 50))
+    drafted = []
+    for accepted in (0, 0, 1, 0):
+        while not (draft := spec.propose(seq, None, room=10)):
+            drafted.append(0)
+        drafted.append(1)
+        spec.record(seq, len(draft), accepted)
+    # one miss: one step without a draft; two in a row: three; an acceptance resets
+    assert drafted == [1, 0, 1, 0, 0, 0, 1, 1]
+    assert spec.report()["backed_off_row_steps"] == 4
