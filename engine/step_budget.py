@@ -112,6 +112,11 @@ class StepBudget:
         self._left: float | None = None  # seconds of prefill left in this step; None: unbounded
         self._planned = 0  # tokens planned in this step
 
+    def forget(self) -> None:
+        """Drop what was measured (after the warm-up: first-use compilation is no cost)."""
+        self.cost = PrefillCost()
+        self.decode_s = None
+
     def begin(self, *, decoding: bool) -> None:
         self._planned = 0
         if self.target_s is None or not decoding or self.cost.line is None:

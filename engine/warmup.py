@@ -108,6 +108,7 @@ def warm_up(core: EngineCore, *, prompt_tokens: int = PROMPT_TOKENS) -> WarmupRe
         core.publish = publish
         runner.force_slice = None
         core.prefix_cache.clear()
+        core.step_budget.forget()  # first-use compilation is not what a prefill token costs
         # what it freed (its KV segment: 16 GiB on an H200 by default) would otherwise
         # stay in MLX's buffer cache, counted by the device, while the server sits idle
         core.admission.hand_back()

@@ -48,6 +48,7 @@ def test_a_warm_up_runs_prefill_and_decode_then_leaves_nothing_behind(make_engin
     assert mx.get_cache_memory() == 0  # its freed segment went back, not into MLX's cache
     assert not (h.core.waiting or h.core.prefilling or len(h.core.batch))
     assert h.core.stats.warmup_s == pytest.approx(report.seconds, abs=1e-3) and report.seconds > 0
+    assert h.core.step_budget.cost.line is None and h.core.step_budget.decode_s is None
 
     # and a request afterwards is served exactly as by an engine that never warmed up
     cold = make_engine(prefill_step_size=64)
