@@ -16,7 +16,8 @@ chunks attend ever more context, so the line keeps being measured where it is us
 call far slower than predicted (a kernel compiling on first use) counts as at most
 `OUTLIER_FACTOR` times the prediction: one slow call moves the line only so far, a lasting
 change moves it over a few calls. The decode step's time is the rest of each step's wall
-time, averaged the same way.
+time, in a running average (the newest step a fifth of it) with the same cap on a slow one.
+Until a prefill call has been measured, nothing is cut.
 
 **Whose first.** `prefill_order`: the shortest remaining prefill first, with aging.
 """
