@@ -227,7 +227,10 @@ class Runner:
             emitted = seq.generated + (i < n_current)  # once this step's pending token is out
             room = min(seq.request.max_tokens - emitted - 1,  # the target's token ends the run
                        alloc.capacity * self.store.block_size - alloc.length - 1)
-            drafts.append(spec.propose(seq, tokens[i] if i < n_current else None, room))
+            last = tokens[i] if i < n_current else None
+            if last is not None and last in seq.request.stop_token_ids:
+                room = 0  # it ends with this step
+            drafts.append(spec.propose(seq, last, room))
         if not any(drafts):
             spec.skipped_steps += 1
             return None
