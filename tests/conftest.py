@@ -62,7 +62,9 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, log_dir: Path, timeout: float = 60.0) -> ServerProcess:
+    # A generous readiness bound: the poll returns as soon as /health answers; only a start
+    # that never comes waits it out (a loaded 2-core machine took over 60 s for one).
+    def start(self, log_dir: Path, timeout: float = 240.0) -> ServerProcess:
         for _ in range(3):
             try:
                 return self._start(log_dir, timeout)
