@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--duration", type=float, default=180.0, help="seconds of traffic (default 180)")
     parser.add_argument("--concurrency", type=int, default=6)
-    parser.add_argument("--model", default="default", help="model to serve (default: the tiny model)")
+    parser.add_argument("--model", default="tiny", help="model to serve (default: the tiny model)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rss-growth-mib", type=float, default=64.0,
                         help="most the server's RSS may grow between the 20%% mark and the end")
