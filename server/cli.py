@@ -216,6 +216,11 @@ def _check_serve_flags(argv: list[str]) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     from_command_line = argv is None  # only then is this process's own command line ours to re-run
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        # transformers writes its warnings to stderr in its own format, past our JSON log (one
+        # says a long prompt exceeds the tokenizer's nominal length; admission checks the real
+        # context itself): only its errors, unless the operator asks for more.
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if from_command_line and argv[:1] == ["serve"]:
         from server.malloc import early_choice, serve_on_jemalloc
 
