@@ -155,10 +155,14 @@ def _probed_geometry(config: Mapping[str, Any], dtype_bytes: int | None) -> Mode
     from mlx_lm.utils import _get_classes
 
     from engine.cache_layout import geometry_for, probe_cache_layout
+    from engine.mlx_thread import run_released
 
-    model_class, args_class = _get_classes(dict(config))
-    lazy = model_class(args_class.from_dict(dict(config)))
-    return geometry_for(lazy, probe_cache_layout(lazy), dtype_bytes=dtype_bytes)
+    def probe() -> ModelGeometry:
+        model_class, args_class = _get_classes(dict(config))
+        lazy = model_class(args_class.from_dict(dict(config)))
+        return geometry_for(lazy, probe_cache_layout(lazy), dtype_bytes=dtype_bytes)
+
+    return run_released(probe)  # the model's initialisers leave MLX state on their thread
 
 
 def _dummy_spec(model: str, dtype: str | None, name: str) -> ModelSpec:
@@ -167,16 +171,19 @@ def _dummy_spec(model: str, dtype: str | None, name: str) -> ModelSpec:
     from mlx_lm.utils import _get_classes
 
     from engine.dummy_model import dummy_config
+    from engine.mlx_thread import run_released
 
     config = dummy_config(model, dtype)
-    model_class, args_class = _get_classes(config)
-    lazy = model_class(args_class.from_dict(config))  # parameters stay unevaluated
     dt = str(config["torch_dtype"])
     itemsize = getattr(mx, dt).size
-    tensors = [
-        TensorInfo(n, dt, tuple(p.shape), p.size * itemsize)
-        for n, p in tree_flatten(lazy.parameters())
-    ]
+
+    def tensors_of_lazy_model() -> list[TensorInfo]:
+        model_class, args_class = _get_classes(config)
+        lazy = model_class(args_class.from_dict(config))  # parameters stay unevaluated
+        return [TensorInfo(n, dt, tuple(p.shape), p.size * itemsize)
+                for n, p in tree_flatten(lazy.parameters())]
+
+    tensors = run_released(tensors_of_lazy_model)
     return _spec(name, config, tensors, _context_length(None, config), "dummy config")
 
 
