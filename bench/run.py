@@ -453,6 +453,14 @@ async def _run_ours(run: Run, selected: list[str], sizes: Sizes, model: str, dty
             await _run_scenarios(run, server, OURS_NAME, ["overload"], sizes, (1,))
 
         await _with_server(server, mode.startup_timeout_s, run, overload)
+    if "prefix-disk" in selected:
+        disk_dir = log_dir / "prefix-disk"
+        server = _ours(log_dir, env, model, dtype, [*args.ours_arg, "--prefix-cache-dir", str(disk_dir)])
+
+        async def prefix_disk() -> None:
+            await _run_scenarios(run, server, OURS_NAME, ["prefix-disk"], sizes, (1,))
+
+        await _with_server(server, mode.startup_timeout_s, run, prefix_disk)
     if "quantized" in selected:
         server = _ours(log_dir, env, str(quantized_dir), None, args.ours_arg)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,21 @@ def rows(data: dict[str, Any]) -> list[dict[str, Any]]:
                     "output_tok_s": None, "ttft_p50_s": _s(value.get("hit_ttft_ms_p50")), "failed": 0,
                     "hit_over_cold": value.get("hit_over_cold"),
                     "cold_ttft_p50_s": _s(value.get("cold_ttft_ms_p50"))})
+            elif scenario == "agent" and isinstance(value, dict):
+                ttft = value.get("ttft_ms") or []
+                out.append(base | {
+                    "concurrency": 1, "prompt_tokens": int(max(value.get("prompt_tokens") or [0])),
+                    "output_tok_s": None, "ttft_p50_s": _s(statistics.median(ttft[1:])) if ttft[1:] else None,
+                    "failed": 0, "turns": value.get("turns"),
+                    "later_turns_prefilled_max": value.get("later_turns_prefilled_max"),
+                    "cold_ttft_p50_s": _s(ttft[0]) if ttft else None})
+            elif scenario == "prefix-disk" and isinstance(value, dict):
+                out.append(base | {
+                    "concurrency": 1, "prompt_tokens": int(value["prompt_tokens"]),
+                    "output_tok_s": None, "ttft_p50_s": _s(value.get("disk_hit_ttft_ms")), "failed": 0,
+                    "cold_ttft_p50_s": _s(value.get("cold_ttft_ms")),
+                    "memory_hit_ttft_s": _s(value.get("memory_hit_ttft_ms")),
+                    "disk_over_cold": value.get("disk_over_cold")})
             elif scenario == "interference" and isinstance(value, dict):
                 alone = value.get("alone") or {}
                 out.append(_point_row(base | {"concurrency": int(value["concurrency"]),

@@ -87,10 +87,25 @@ def markdown(data: dict[str, Any]) -> str:
     prefix = sc.get("prefix", {})
     if prefix:
         label = f"prefix cache, {sizes.get('prefix_tokens')}-token system prompt"
-        row(label, "TTFT cold / hit ms (hit/cold, goal ≤ 0.15)",
+        row(label, "TTFT cold / hit ms (hit/cold, goal ≤ 0.1)",
             [f"{_fmt(prefix[s].get('cold_ttft_ms_p50'), 0)} / {_fmt(prefix[s].get('hit_ttft_ms_p50'), 0)} "
              f"({_fmt(prefix[s].get('hit_over_cold'), 3)})" if isinstance(prefix.get(s), dict)
              and "error" not in prefix[s] else "–" for s in servers])
+    agent = sc.get("agent", {})
+    if agent:
+        label = (f"agent conversation, {sizes.get('agent_turns')} turns of +{sizes.get('agent_turn_tokens')} "
+                 f"tokens on a {sizes.get('prefix_tokens')}-token system prompt")
+        row(label, "turn 1 TTFT ms; later turns: most tokens prefilled, slowest TTFT ms",
+            [f"{_fmt(agent[s]['ttft_ms'][0], 0)}; {agent[s].get('later_turns_prefilled_max')}, "
+             f"{_fmt(agent[s].get('later_turns_ttft_ms_max'), 0)}" if isinstance(agent.get(s), dict)
+             and "error" not in agent[s] else "–" for s in servers])
+    disk = sc.get("prefix-disk", {})
+    if disk:
+        label = f"prefix from disk after a restart, {sizes.get('prefix_tokens')}-token prompt"
+        row(label, "TTFT cold / memory hit / disk hit ms (disk/cold)",
+            [f"{_fmt(disk[s].get('cold_ttft_ms'), 0)} / {_fmt(disk[s].get('memory_hit_ttft_ms'), 0)} / "
+             f"{_fmt(disk[s].get('disk_hit_ttft_ms'), 0)} ({_fmt(disk[s].get('disk_over_cold'), 3)})"
+             if isinstance(disk.get(s), dict) and "error" not in disk[s] else "–" for s in servers])
     pressure = sc.get("overload") or sc.get("pressure") or {}
     if pressure:
         ceiling = data.get("settings", {}).get("pressure_ceiling_bytes")

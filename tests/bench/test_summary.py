@@ -118,3 +118,26 @@ def test_the_bench_writes_a_valid_summary_from_a_tiny_cpu_run(tmp_path: Path) ->
     assert all(r["server"] == "ours" and r["model"] == "tiny" and r["dtype"] == "fp32" and r["failed"] == 0
                for r in rows.values())
     assert rows["throughput", 1, 32]["output_tok_s"] > 0 and rows["prefill", 1, 48]["prefill_tok_s"] > 0
+
+
+def test_the_agent_scenarios_report_reuse_per_turn_and_from_disk_after_a_restart(tmp_path: Path) -> None:
+    """`agent`: every turn after the first prefills only its growth (the last prompt and its
+    answer come from the prefix cache); `prefix-disk`: after a restart with the same
+    --prefix-cache-dir the prompt's blocks are read back from disk, not prefilled."""
+    cmd = [sys.executable, "-m", "bench", "agent", "prefix-disk", "--mode", "cpu", "--servers", "ours",
+           "--no-bound", "--bandwidth-bytes", "0", "--prefix-tokens", "1024", "--agent-turns", "3",
+           "--agent-turn-tokens", "200", "--agent-answer-tokens", "8", "--out-dir", str(tmp_path)]
+    env = {**os.environ, "MLX_HEADROOM_CACHE": str(tmp_path / "cache")}
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (folder,) = [p for p in tmp_path.iterdir() if p.name.endswith("-cpu-agent-prefix-disk")]
+    assert summary.validate(json.loads((folder / "summary.json").read_text())) == []
+    results = json.loads((folder / "run.json").read_text())["scenarios"]
+    agent, disk = results["agent"]["ours"], results["prefix-disk"]["ours"]
+    assert agent["turns"] == 3 and agent["cached_tokens"][0] == 0
+    for n in (1, 2):  # everything the previous turn sent is reused
+        assert agent["cached_tokens"][n] >= agent["prompt_tokens"][n - 1]
+        assert agent["prefilled_tokens"][n] < agent["prompt_tokens"][n] - 1024
+    assert disk["memory_cached_tokens"] > 1024 and disk["disk_cached_tokens"] > 1024
+    assert disk["prefix_cache_after_restart"]["disk"]["hits"] > 0
