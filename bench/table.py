@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,28 +85,26 @@ def markdown(data: dict[str, Any]) -> str:
         if guard.get("admission_time_pct") is not None:
             row(f"guard, C={guard['concurrency']}", "engine time in admission checks, % of wall",
                 [f"{_fmt(guard['admission_time_pct'], 3)} %" if s == "ours" else "n/a" for s in servers])
-    prefix = sc.get("prefix", {})
-    if prefix:
-        label = f"prefix cache, {sizes.get('prefix_tokens')}-token system prompt"
-        row(label, "TTFT cold / hit ms (hit/cold, goal ≤ 0.1)",
-            [f"{_fmt(prefix[s].get('cold_ttft_ms_p50'), 0)} / {_fmt(prefix[s].get('hit_ttft_ms_p50'), 0)} "
-             f"({_fmt(prefix[s].get('hit_over_cold'), 3)})" if isinstance(prefix.get(s), dict)
-             and "error" not in prefix[s] else "–" for s in servers])
-    agent = sc.get("agent", {})
-    if agent:
-        label = (f"agent conversation, {sizes.get('agent_turns')} turns of +{sizes.get('agent_turn_tokens')} "
-                 f"tokens on a {sizes.get('prefix_tokens')}-token system prompt")
-        row(label, "turn 1 TTFT ms; later turns: most tokens prefilled, slowest TTFT ms",
-            [f"{_fmt(agent[s]['ttft_ms'][0], 0)}; {agent[s].get('later_turns_prefilled_max')}, "
-             f"{_fmt(agent[s].get('later_turns_ttft_ms_max'), 0)}" if isinstance(agent.get(s), dict)
-             and "error" not in agent[s] else "–" for s in servers])
-    disk = sc.get("prefix-disk", {})
-    if disk:
-        label = f"prefix from disk after a restart, {sizes.get('prefix_tokens')}-token prompt"
-        row(label, "TTFT cold / memory hit / disk hit ms (disk/cold)",
-            [f"{_fmt(disk[s].get('cold_ttft_ms'), 0)} / {_fmt(disk[s].get('memory_hit_ttft_ms'), 0)} / "
-             f"{_fmt(disk[s].get('disk_hit_ttft_ms'), 0)} ({_fmt(disk[s].get('disk_over_cold'), 3)})"
-             if isinstance(disk.get(s), dict) and "error" not in disk[s] else "–" for s in servers])
+    def each(by_server: dict[str, Any], cell: Callable[[dict[str, Any]], str]) -> list[str]:
+        """One cell per server: `cell` of its result, or a dash where it has none or failed."""
+        return [cell(by_server[s]) if isinstance(by_server.get(s), dict) and "error" not in by_server[s]
+                else "–" for s in servers]
+
+    if prefix := sc.get("prefix", {}):
+        row(f"prefix cache, {sizes.get('prefix_tokens')}-token system prompt",
+            "TTFT cold / hit ms (hit/cold, goal ≤ 0.1)",
+            each(prefix, lambda v: _times(v, ("cold_ttft_ms_p50", "hit_ttft_ms_p50"), "hit_over_cold")))
+    if agent := sc.get("agent", {}):
+        row(f"agent conversation, {sizes.get('agent_turns')} turns of +{sizes.get('agent_turn_tokens')} "
+            f"tokens on a {sizes.get('prefix_tokens')}-token system prompt",
+            "turn 1 TTFT ms; later turns: most tokens prefilled, slowest TTFT ms",
+            each(agent, lambda v: f"{_fmt(v['ttft_ms'][0], 0)}; {v.get('later_turns_prefilled_max')}, "
+                                  f"{_fmt(v.get('later_turns_ttft_ms_max'), 0)}"))
+    if disk := sc.get("prefix-disk", {}):
+        row(f"prefix from disk after a restart, {sizes.get('prefix_tokens')}-token prompt",
+            "TTFT cold / memory hit / disk hit ms (disk/cold)",
+            each(disk, lambda v: _times(v, ("cold_ttft_ms", "memory_hit_ttft_ms", "disk_hit_ttft_ms"),
+                                        "disk_over_cold")))
     pressure = sc.get("overload") or sc.get("pressure") or {}
     if pressure:
         ceiling = data.get("settings", {}).get("pressure_ceiling_bytes")
@@ -125,6 +124,11 @@ def markdown(data: dict[str, Any]) -> str:
     for error in data.get("errors", []):
         lines.append(f"\nerror: {error}")
     return "\n".join(lines)
+
+
+def _times(result: dict[str, Any], keys: tuple[str, ...], ratio: str) -> str:
+    """Times in ms, then a ratio: "700 / 28 (0.040)"."""
+    return " / ".join(_fmt(result.get(k), 0) for k in keys) + f" ({_fmt(result.get(ratio), 3)})"
 
 
 def main(argv: list[str] | None = None) -> int:
