@@ -8,18 +8,33 @@ than on bf16 for that reason alone. Flattening the leading dimensions before the
 and restoring them after, gives the same numbers (every row is still its own dot
 products) and reads the weight once. On Metal and the CPU it costs two reshapes (views).
 
-`flatten_quantized(model)` swaps the class of every exact `nn.QuantizedLinear` and
-`nn.QuantizedEmbedding` in place (after `engine.fusion`, whose fused copies keep their
-class): parameters, their names and the weight bytes stay what they were. The MoE
-experts' `gather_qmm` (mlx-lm's `QuantizedSwitchLinear`) is left as it is.
+`flatten_quantized(model)` swaps the class of every exact `nn.QuantizedLinear`,
+`nn.QuantizedEmbedding` and mlx-lm's `QuantizedSwitchLinear` (the MoE experts) in place
+(after `engine.fusion`, whose fused copies keep their class): parameters, their names and
+the weight bytes stay what they were. Every quantization mode goes through unchanged
+(affine, mxfp4, nvfp4 with its global scale).
+
+The experts' `mx.gather_qmm` takes x shaped (..., M, K) and one expert index per batch
+element: SwitchGLU hands it x as (B, L, 1, 1, K) with indices (B, L, k) in a decode step
+(fewer than 64 routed rows), or (N, 1, K) with indices (N,) sorted by expert (64 or more).
+The flat form is the second: one row per routed token, one index each. Reaching it from
+the first needs `lhs_indices` (row i of x for every expert it is routed to), which MLX's
+own default builds the same way; but a call given `lhs_indices` is never treated as
+sorted on the right (`right_sorted = sorted_indices and lhs_indices is None`, mlx/ops.cpp),
+so sorted calls keep x as it comes and pass no `lhs_indices`. Unlike `quantized_matmul`,
+this changes no kernel's work on MLX 0.32: every routed row is its own one-row product
+against its expert's weight by gather_qmm's definition; only Metal's sorted kernel
+(`gather_qmm_rhs`) reads one expert's weight once for the rows routed to it.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 
 def _flat_quantized_matmul(module: Any, x: mx.array) -> mx.array:
@@ -51,7 +66,52 @@ class FlatQuantizedEmbedding(nn.QuantizedEmbedding):
         return _flat_quantized_matmul(self, x)
 
 
-_FLAT = {nn.QuantizedLinear: FlatQuantizedLinear, nn.QuantizedEmbedding: FlatQuantizedEmbedding}
+def _flat_gather_qmm(module: Any, x: mx.array, indices: mx.array, sorted_indices: bool) -> mx.array:
+    """`gather_qmm` on rows: x as (rows of x, M, K), one expert index per routed row."""
+    batch = tuple(mx.broadcast_shapes(x.shape[:-2], indices.shape))
+    x_batch = tuple(x.shape[:-2])
+    lhs: mx.array | None = None
+    if x_batch != batch:
+        if sorted_indices:  # lhs_indices would turn the sorted kernel off: leave it as it is
+            return _gather_qmm(module, x, None, indices, sorted_indices)
+        lhs = mx.broadcast_to(mx.arange(math.prod(x_batch), dtype=mx.uint32).reshape(x_batch),
+                              batch).reshape(-1)
+    rows = x.reshape(-1, *x.shape[-2:])
+    out = _gather_qmm(module, rows, lhs, mx.broadcast_to(indices, batch).reshape(-1), sorted_indices)
+    return out.reshape(*batch, *out.shape[-2:])
+
+
+def _gather_qmm(module: Any, x: mx.array, lhs: mx.array | None, rhs: mx.array,
+                sorted_indices: bool) -> mx.array:
+    return mx.gather_qmm(
+        x,
+        module["weight"],
+        module["scales"],
+        module.get("biases"),
+        lhs_indices=lhs,
+        rhs_indices=rhs,
+        transpose=True,
+        group_size=module.group_size,
+        bits=module.bits,
+        mode=module.mode,
+        global_scale=module.global_scale,
+        sorted_indices=sorted_indices,
+    )
+
+
+class FlatQuantizedSwitchLinear(QuantizedSwitchLinear):
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        out = _flat_gather_qmm(self, x, indices, sorted_indices)
+        if "bias" in self:
+            out = out + mx.expand_dims(self["bias"][indices], -2)
+        return out
+
+
+_FLAT: dict[type, type] = {
+    nn.QuantizedLinear: FlatQuantizedLinear,
+    nn.QuantizedEmbedding: FlatQuantizedEmbedding,
+    QuantizedSwitchLinear: FlatQuantizedSwitchLinear,
+}
 
 
 def flatten_quantized(model: nn.Module) -> int:
