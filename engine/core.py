@@ -30,7 +30,7 @@ from engine.prefix.disk import open_disk_tier
 from engine.request import EngineRequest, RequestOutput
 from engine.runner import Runner
 from engine.sequence import RequestStatus, Sequence
-from engine.speculative import SpeculativeConfig, Speculator
+from engine.speculative import SpeculativeConfig, Speculator, load_draft
 from engine.step_budget import StepBudget, prefill_order
 from memory import Decision, MemoryGuard, Outcome, ProbeUnavailableError
 from memory.decision import CODE_PROBE_FAILED, CODE_READING_STALE, CODE_WAITING
@@ -240,7 +240,12 @@ class EngineCore:
             if on_cuda_by_default(config.compile_decode, loaded.backend):
                 compiled = CompiledDecode(self.model, self.store, loaded.geometry.num_heads,
                                           after=config.compile_after)
-            speculator = Speculator(config.speculative, loaded.backend) if config.speculative.on else None
+            speculator = None
+            if config.speculative.on:
+                spec = config.speculative
+                draft = None if spec.draft_model is None else load_draft(
+                    spec.draft_model, loaded, dtype=spec.draft_dtype)
+                speculator = Speculator(spec, loaded.backend, draft)
             self.batch = Runner(self.model, self.store, overlap=overlap,
                                 prefill_batch=config.prefill_batch, compiled=compiled,
                                 slice_decode=config.slice_decode, speculator=speculator)

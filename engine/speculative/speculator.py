@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.sequence import Sequence
+from engine.speculative.draft import DraftModel
 from engine.speculative.lookup import MAX_NGRAM, MIN_NGRAM, NgramIndex
 
-METHODS = ("off", "prompt-lookup")
+METHODS = ("off", "prompt-lookup", "draft-model")
 DEFAULT_TOKENS = 4
 # Above this many rows decoding is compute-bound and verifying k extra tokens per row costs
 # more than the steps it saves: speculation turns itself off. CUDA: vLLM's rule of thumb;
@@ -26,15 +27,19 @@ def default_max_rows(backend: str) -> int:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "off"  # off | prompt-lookup
+    method: str = "off"  # off | prompt-lookup | draft-model
     num_tokens: int = DEFAULT_TOKENS  # drafts per row and step, at most
     max_rows: int | None = None  # speculate only while the batch has at most this many rows; None: by backend
     min_ngram: int = MIN_NGRAM
     max_ngram: int = MAX_NGRAM
+    draft_model: str | None = None  # the draft-model method's model: a path, a hub id or a name
+    draft_dtype: str | None = None  # a dummy draft's dtype (--load-format dummy), as the target's
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative method {self.method!r}: one of {', '.join(METHODS)}")
+        if (self.method == "draft-model") != (self.draft_model is not None):
+            raise ValueError("--draft-model and --speculative draft-model go together")
         if self.num_tokens < 1:
             raise ValueError("--num-speculative-tokens must be at least 1")
 
@@ -52,8 +57,11 @@ class _Row:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, backend: str) -> None:
+    def __init__(self, config: SpeculativeConfig, backend: str, draft: DraftModel | None = None) -> None:
+        if (config.method == "draft-model") != (draft is not None):
+            raise ValueError("the draft-model method drafts from a loaded draft model, and only it")
         self.config = config
+        self.draft = draft
         self.max_rows = config.max_rows if config.max_rows is not None else default_max_rows(backend)
         self._rows: dict[str, _Row] = {}
         self.steps = 0  # decode steps that verified drafts
@@ -85,6 +93,9 @@ class Speculator:
             row.wait -= 1
             self.backed_off += 1
             return ()
+        if self.draft is not None:
+            text = row.index.tokens + ([last] if last is not None else [])
+            return self.draft.propose(seq.request_id, text, k)
         return row.index.propose(k, last)
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
@@ -97,6 +108,8 @@ class Speculator:
 
     def forget(self, seq: Sequence) -> None:
         self._rows.pop(seq.request_id, None)
+        if self.draft is not None:
+            self.draft.forget(seq.request_id)
 
     def report(self) -> dict[str, object]:
         return {
@@ -108,6 +121,8 @@ class Speculator:
             "drafted_tokens": self.drafted,
             "accepted_tokens": self.accepted,
             "backed_off_row_steps": self.backed_off,
+            **({"draft_model": self.draft.model_id, "draft_cache_bytes": self.draft.cache_bytes()}
+               if self.draft is not None else {}),
             "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
             # tokens a verified row emitted in its step: the accepted drafts and the target's own
             "tokens_per_verified_row": (

@@ -29,3 +29,24 @@ def test_prompt_lookup_serves_the_same_text_and_reports_acceptance(server, start
     metrics = httpx.get(f"{proc.url}/metrics").text
     assert f"mlx_headroom_speculative_drafted_tokens_total {float(report['drafted_tokens'])}" in metrics
     assert "mlx_headroom_speculative_acceptance_rate" in metrics
+
+
+def test_a_draft_model_serves_the_same_text_and_reports_its_drafts(
+        server, start_server, tiny_model_path) -> None:
+    """--draft-model (here the model itself: every draft is accepted) serves the default
+    server's text, and /v1/memory names the draft model with its counters."""
+    plain = _complete(server.url)
+    proc = start_server(args=["--draft-model", str(tiny_model_path)])
+    spec = _complete(proc.url)
+    assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert all(spec["usage"][k] == plain["usage"][k] for k in ("prompt_tokens", "completion_tokens"))
+    report = httpx.get(f"{proc.url}/v1/memory").json()["engine"]["speculative"]
+    assert report["method"] == "draft-model" and report["draft_model"] == str(tiny_model_path)
+    assert report["drafted_tokens"] > 0 and report["accepted_tokens"] == report["drafted_tokens"]
+
+
+def test_the_draft_model_method_needs_a_draft_model(tiny_model_path, capsys) -> None:
+    from server.cli import main
+
+    assert main(["serve", "--model", str(tiny_model_path), "--speculative", "draft-model"]) == 2
+    assert "--speculative draft-model drafts from --draft-model" in capsys.readouterr().err
