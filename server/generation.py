@@ -56,6 +56,9 @@ class Prepared:
     more_prompts: tuple[tuple[int, ...], ...] = ()
     prompt_logprobs: int | None = None  # score the prompts (echo with logprobs), N alternatives
     requested_max_tokens: int | None = None  # what the request asked for, before clamping
+    # Tokens that end a choice besides the tokenizer's EOS (a fill-in-the-middle prompt's
+    # family-specific end of the middle).
+    stop_token_ids: frozenset[int] = frozenset()
 
     @property
     def prompts(self) -> list[tuple[int, ...]]:
@@ -149,7 +152,7 @@ class Generation:
             asyncio.Queue()
         )
         self._pumps: list[asyncio.Task[None]] = []
-        stop_ids = frozenset(tokenizer.eos_token_ids)
+        stop_ids = frozenset(tokenizer.eos_token_ids) | prepared.stop_token_ids
         for i in range(total):
             sampling = dataclasses.replace(prepared.sampling, processor=prepared.new_processor())
             if sampling.seed is not None and i > 0:

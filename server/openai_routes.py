@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine import TokenLogprob
+from engine.fim import FimTokens, encode_text, fim_tokens
 from server import fastjson
 from server.chat_plan import ChatPlan, plan_chat
 from server.errors import APIError, BadRequest, NotFound
@@ -104,14 +105,39 @@ def _text_starts(tokenizer: Any, text: str, tokens: Sequence[int]) -> list[int] 
     return starts
 
 
-async def _tokenize_prompts(state: ServerState, body: CompletionRequest) -> list[list[int]]:
+def _fim(state: ServerState, body: CompletionRequest) -> FimTokens | None:
+    """The model's fill-in-the-middle tokens when the request sends a `suffix`; a 400
+    naming `suffix` when its tokenizer has none (the model was not trained to infill)."""
+    if body.suffix is None:
+        return None
+    fim = fim_tokens(state.tokenizer)
+    if fim is None:
+        raise BadRequest(
+            f"'suffix' asks for fill-in-the-middle, and the model {body.model!r} has no "
+            "fill-in-the-middle tokens: its tokenizer has no prefix/suffix/middle markers "
+            "(such as <|fim_prefix|>, <fim_prefix>, <PRE> or <｜fim▁begin｜>). Send the "
+            "request without 'suffix', or to a code model trained for infilling",
+            code="fim_not_supported", param="suffix",
+        )
+    return fim
+
+
+async def _tokenize_prompts(state: ServerState, body: CompletionRequest,
+                            fim: FimTokens | None = None, suffix: list[int] | None = None) -> list[list[int]]:
+    """Each prompt's token ids; with `fim`, the infilling prompt of it and `suffix`, its
+    text encoded as plain text (the markers go in as ids only)."""
     prompts = body.prompts
     vocab = state.vocab_size
     texts = [p for p in prompts if isinstance(p, str)]
-    state.check_prompt_size(len(prompts), sum(len(t) for t in texts))
+    state.check_prompt_size(len(prompts), sum(len(t) for t in texts) + len(body.suffix or ""))
+    suffix = suffix or []
     out: list[list[int]] = []
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
+            if fim is not None:
+                prefix = await asyncio.to_thread(encode_text, state.tokenizer, prompt)
+                out.append(fim.prompt(prefix, suffix))
+                continue
             out.append(list(await asyncio.to_thread(state.tokenizer.encode, prompt)))
             continue
         bad = next((t for t in prompt if t >= vocab), None)
@@ -119,13 +145,14 @@ async def _tokenize_prompts(state: ServerState, body: CompletionRequest) -> list
             where = f" (prompt {i})" if len(prompts) > 1 else ""
             raise BadRequest(f"token id {bad} is outside the vocabulary (size {vocab}){where}",
                              param="prompt")
-        out.append(list(prompt))
+        out.append(fim.prompt(prompt, suffix) if fim is not None else list(prompt))
     return out
 
 
 def _start(state: ServerState, body: Any, tokens: list[int] | list[list[int]], logprobs: bool, top: int,
            new_processor: ProcessorFactory | None = None, *,
-           prompt_logprobs: int | None = None) -> Generation:
+           prompt_logprobs: int | None = None,
+           stop_token_ids: frozenset[int] = frozenset()) -> Generation:
     """Prepare (each prompt checked against the context) and submit the generation."""
     batch: list[list[int]] = tokens if tokens and isinstance(tokens[0], list) else [tokens]  # type: ignore[list-item]
     each = [
@@ -144,7 +171,7 @@ def _start(state: ServerState, body: Any, tokens: list[int] | list[list[int]], l
     prepared = dataclasses.replace(
         each[0], max_tokens=min(p.max_tokens for p in each),
         more_prompts=tuple(tuple(p.prompt_tokens) for p in each[1:]),
-        prompt_logprobs=prompt_logprobs,
+        prompt_logprobs=prompt_logprobs, stop_token_ids=stop_token_ids,
     )
     return Generation(state.engine, state.tokenizer, prepared,
                       timeout_s=state.settings.request_timeout_s)
@@ -316,12 +343,15 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
     state = await serving_state(request, body.model, check_served_model)
     _check_supported(body)
     check_logit_bias(state, body.logit_bias_pairs())
-    prompts = await _tokenize_prompts(state, body)
+    fim = _fim(state, body)
+    suffix_ids = await asyncio.to_thread(encode_text, state.tokenizer, body.suffix or "") if fim else []
+    prompts = await _tokenize_prompts(state, body, fim, suffix_ids)
     want_logprobs = body.logprobs is not None
     scored = body.logprobs if body.echo and want_logprobs else None
     shaping = Shaping(None, body.frequency_penalty, body.presence_penalty)
     generation = _start(state, body, prompts, want_logprobs, body.logprobs or 0, shaping.factory(),
-                        prompt_logprobs=scored)
+                        prompt_logprobs=scored,
+                        stop_token_ids=fim.end_ids if fim is not None else frozenset())
     request.state.generation = generation
     tokenizer = state.tokenizer
     offsets = [0] * len(generation.choices)
@@ -354,14 +384,19 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
 
     def prompt_logprobs_for(choice: ChoiceResult) -> dict[str, Any] | None:
         """The echoed prompt's entries (scored when logprobs were asked), before the
-        generated tokens', whose offsets then continue after the echoed text."""
+        generated tokens', whose offsets then continue after the echoed text. With a
+        suffix the echo is the prompt alone: its tokens' scores as they stand in the
+        infilling prompt, the markers and the suffix left out."""
         if not want_logprobs or not body.echo:
             return None
         prompt = prompts[choice.index // body.n]
+        scores = list(choice.prompt_logprobs or [None] * len(prompt))
+        if fim is not None:
+            start, end = fim.prefix_span(len(prompt), len(suffix_ids))
+            prompt, scores = prompt[start:end], scores[start:end]
         given = body.prompts[choice.index // body.n]
         starts = _text_starts(tokenizer, given, prompt) if isinstance(given, str) else None
-        result = _completion_logprobs(tokenizer, choice.prompt_logprobs or [None] * len(prompt), 0, prompt,
-                                      starts)
+        result = _completion_logprobs(tokenizer, scores, 0, prompt, starts)
         offsets[choice.index] = len(prefix(choice.index))
         return result
 

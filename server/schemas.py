@@ -235,6 +235,9 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(DEFAULT_PROMPT, min_length=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    # Fill-in-the-middle: the text after the completion; the model writes what goes between
+    # the prompt and it, when its tokenizer has the markers for it (engine.fim).
+    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -284,7 +287,6 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "prediction": _always,
     "functions": _always,
     "function_call": _always,
-    "suffix": _always,
 }
 
 
