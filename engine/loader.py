@@ -13,6 +13,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.cache_layout import CacheLayout, geometry_for, probe_cache_layout
+from engine.context import context_limits
 from engine.fusion import fuse_projections as fuse
 from engine.kv import KVGeometry
 from engine.named_models import resolve_source
@@ -91,6 +92,16 @@ def _context_length(path: Path | None, tokenizer: Any, default: int = 8192) -> i
     return int(limit) if isinstance(limit, int) and limit < 10**8 else default
 
 
+def served_context_length(path: Path | None, tokenizer: Any, requested: int | None,
+                          model_id: str) -> int:
+    """The context to serve: the model's own, or ``requested`` where its RoPE reaches it
+    (`engine.context`; raises `ContextLengthSettingError` where it does not)."""
+    config: dict[str, Any] = {}
+    if path is not None and (path / "config.json").exists():
+        config = json.loads((path / "config.json").read_text())
+    return context_limits(config, _context_length(path, tokenizer)).served(requested, model=model_id)
+
+
 def load_model(
     model: str = DEFAULT_MODEL,
     *,
@@ -98,8 +109,11 @@ def load_model(
     load_format: str = "auto",
     dtype: str | None = None,
     fuse_projections: bool = True,
+    context_length: int | None = None,
     progress: Callable[[str], None] = log.info,
 ) -> LoadedModel:
+    """Load ``model`` for serving; ``context_length``: serve it at that context instead of
+    its own (lower, or higher where its RoPE scaling reaches; `engine.context`)."""
     import mlx_lm
 
     started = time.monotonic()
@@ -134,7 +148,7 @@ def load_model(
         path=str(path),
         geometry=geometry,
         backend=backend_name(),
-        context_length=_context_length(path, tokenizer),
+        context_length=served_context_length(path, tokenizer, context_length, name),
         weight_bytes=weight_bytes,
         fused_groups=fused,
         layout=layout,

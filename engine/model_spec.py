@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from engine.context import context_limits
 from memory import ModelGeometry, geometry_from_config
 from memory.fit import ModelSpec
 from memory.weights import (
@@ -41,10 +42,12 @@ class ModelSpecError(ValueError):
 
 
 def read_model_spec(model: str, *, load_format: str = "auto", dtype: str | None = None,
-                    name: str | None = None) -> ModelSpec:
-    """The spec of what ``load_model(model, load_format=..., dtype=...)`` would load."""
+                    name: str | None = None, context_length: int | None = None) -> ModelSpec:
+    """The spec of what ``load_model(model, load_format=..., dtype=..., context_length=...)``
+    would load, its context the one it would serve (``engine.context``: a context its RoPE
+    cannot reach raises :class:`~engine.context.ContextLengthSettingError`)."""
     if load_format == "dummy":
-        return _dummy_spec(model, dtype, name or model)
+        return _dummy_spec(model, dtype, name or model, context_length)
     from engine.gguf import GGUFError
     from engine.named_models import gguf_header, local_directory, public_name
 
@@ -54,25 +57,26 @@ def read_model_spec(model: str, *, load_format: str = "auto", dtype: str | None 
     except (GGUFError, FileNotFoundError) as exc:
         raise ModelSpecError(str(exc)) from exc
     if ready is not None:
-        return spec_from_directory(ready, name or public_name(model))
+        return spec_from_directory(ready, name or public_name(model), context_length)
     if header is not None:  # sized from its header
-        return spec_from_gguf(header, name or public_name(model))
+        return spec_from_gguf(header, name or public_name(model), context_length)
     path = Path(model)
     if path.is_dir():
-        return spec_from_directory(path, name or model)
-    return _hub_spec(model, name or model)
+        return spec_from_directory(path, name or model, context_length)
+    return _hub_spec(model, name or model, context_length)
 
 
-def spec_from_directory(path: Path, name: str) -> ModelSpec:
+def spec_from_directory(path: Path, name: str, context_length: int | None = None) -> ModelSpec:
     config = _read_config(path)
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
         raise ModelSpecError(f"{path} holds no .safetensors weight files")
     tensors = [t for shard in shards for t in read_safetensors_tensors(shard)]
-    return _spec(name, config, tensors, _context_length(path, config), "safetensors headers")
+    return _spec(name, config, tensors, _context_length(path, config), "safetensors headers",
+                 context_length)
 
 
-def spec_from_gguf(path: Path, name: str) -> ModelSpec:
+def spec_from_gguf(path: Path, name: str, context_length: int | None = None) -> ModelSpec:
     """What converting the GGUF at ``path`` would load: its header's shapes in the target dtype."""
     from engine.gguf import GGUFError, mlx_config, open_gguf
     from engine.gguf.convert import weight_names
@@ -87,7 +91,8 @@ def spec_from_gguf(path: Path, name: str) -> ModelSpec:
                    for n, hf_name in weight_names(g).items()]
     except GGUFError as exc:
         raise ModelSpecError(str(exc)) from exc
-    return _spec(name, config, tensors, _context_length(None, config), "GGUF header")
+    return _spec(name, config, tensors, _context_length(None, config), "GGUF header",
+                 context_length)
 
 
 def read_safetensors_tensors(path: Path) -> list[TensorInfo]:
@@ -133,8 +138,9 @@ def _dtype_bytes(tensors: Iterable[TensorInfo]) -> int | None:
     return max(by_dtype, key=lambda k: by_dtype[k]) if by_dtype else None
 
 
-def _spec(name: str, config: Mapping[str, Any], tensors: list[TensorInfo], context: int,
-          source: str) -> ModelSpec:
+def _spec(name: str, config: Mapping[str, Any], tensors: list[TensorInfo], trained: int,
+          source: str, context_length: int | None) -> ModelSpec:
+    context = context_limits(config, trained).served(context_length, model=name)
     try:
         geometry = _probed_geometry(config, _dtype_bytes(tensors))
     except Exception as probe_error:  # a model class mlx-lm lacks, a forward that needs weights
@@ -165,7 +171,7 @@ def _probed_geometry(config: Mapping[str, Any], dtype_bytes: int | None) -> Mode
     return run_released(probe)  # the model's initialisers leave MLX state on their thread
 
 
-def _dummy_spec(model: str, dtype: str | None, name: str) -> ModelSpec:
+def _dummy_spec(model: str, dtype: str | None, name: str, context_length: int | None) -> ModelSpec:
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
@@ -184,7 +190,8 @@ def _dummy_spec(model: str, dtype: str | None, name: str) -> ModelSpec:
                 for n, p in tree_flatten(lazy.parameters())]
 
     tensors = run_released(tensors_of_lazy_model)
-    return _spec(name, config, tensors, _context_length(None, config), "dummy config")
+    return _spec(name, config, tensors, _context_length(None, config), "dummy config",
+                 context_length)
 
 
 def _complete(path: Path) -> bool:
@@ -196,15 +203,16 @@ def _complete(path: Path) -> bool:
     return any(path.glob("*.safetensors"))
 
 
-def _hub_spec(repo: str, name: str) -> ModelSpec:
+def _hub_spec(repo: str, name: str, context_length: int | None) -> ModelSpec:
     try:
         from huggingface_hub import snapshot_download
 
-        cached = Path(snapshot_download(repo, local_files_only=True))
-        if _complete(cached):
-            return spec_from_directory(cached, name)
+        cached: Path | None = Path(snapshot_download(repo, local_files_only=True))
+        complete = cached is not None and _complete(cached)
     except Exception:  # not in the cache: read the headers over HTTP below
-        pass
+        cached, complete = None, False
+    if cached is not None and complete:
+        return spec_from_directory(cached, name, context_length)
     try:
         from huggingface_hub import get_safetensors_metadata, hf_hub_download
 
@@ -220,4 +228,5 @@ def _hub_spec(repo: str, name: str) -> ModelSpec:
         for file_meta in meta.files_metadata.values()
         for t_name, t in file_meta.tensors.items()
     ]
-    return _spec(name, config, tensors, _context_length(None, config), "safetensors headers (hub)")
+    return _spec(name, config, tensors, _context_length(None, config), "safetensors headers (hub)",
+                 context_length)

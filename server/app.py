@@ -70,7 +70,8 @@ def create_app(
     engine = EngineClient(
         load=load or (lambda: load_model(settings.model, model_id=settings.public_model_name,
                                          load_format=settings.load_format, dtype=settings.dtype,
-                                         fuse_projections=settings.fuse_projections)),
+                                         fuse_projections=settings.fuse_projections,
+                                         context_length=settings.context_length)),
         guard=pool.guard_for(pool.primary) if pool else guard,
         config=engine_config(settings),
         max_queue=settings.max_queue,

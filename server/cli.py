@@ -56,6 +56,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--model-alias", dest="model_aliases", action="append", metavar="NAME=SERVED",
                        help="answer requests for NAME with the served model (repeatable); NAME may "
                        "be a glob: 'claude-*=my-model' serves Claude Code, '*=my-model' any name")
+    serve.add_argument("--context-length", type=int,
+                       help="serve the model at this context: lower than its own, or higher where "
+                       "its RoPE scaling (yarn, llama3, linear, dynamic) reaches; load admission "
+                       "then reserves KV for all of it unless --reserve-context-tokens says less "
+                       "(default: the model's own)")
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int)
     serve.add_argument("--max-concurrency", type=int)
@@ -95,13 +100,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-group-size", type=int, choices=[32, 64, 128],
                        help="values per scale and bias of quantized KV (default 64; must divide "
                        "the model's head_dim)")
-    serve.add_argument("--speculative", choices=["off", "prompt-lookup", "draft-model"],
+    serve.add_argument("--speculative", choices=["off", "prompt-lookup"],
                        help="speculative decoding, exact (greedy output unchanged, sampling from the "
                        "same distribution): prompt-lookup drafts from each request's own prompt and "
-                       "output, draft-model from --draft-model (default off)")
-    serve.add_argument("--draft-model",
-                       help="a smaller model with the model's tokenizer whose greedy tokens are the "
-                       "drafts (a path, hub id or named model); implies --speculative draft-model")
+                       "output (default off)")
     serve.add_argument("--num-speculative-tokens", type=int,
                        help="drafts per request and step, at most (default 4)")
     serve.add_argument("--speculative-max-rows", type=int,
@@ -169,7 +171,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--idle-unload-s", type=float,
                        help="unload a model after this many seconds without requests")
     serve.add_argument("--reserve-context-tokens", type=int,
-                       help="tokens of context the model must have room for to load (default 8192)")
+                       help="tokens of context the model must have room for to load (default: "
+                       "--context-length when given, else 8192)")
     serve.add_argument("--force-load", action="store_true", default=None,
                        help="load the model even when weights + reserve exceed the ceiling")
     sub.add_parser("build-default-model", help="build the embedded default model and print its path")

@@ -29,7 +29,7 @@ from memory.fit import wired_limit_advice
 from server.settings import Settings
 
 _SETTING_FLAGS = ("load_format", "dtype", "memory_tier", "memory_ceiling_bytes", "memory_probe",
-                  "reserve_context_tokens", "prefill_step_size", "max_step_tokens")
+                  "reserve_context_tokens", "prefill_step_size", "max_step_tokens", "context_length")
 
 
 def add_doctor_parser(sub: Any) -> None:
@@ -41,6 +41,8 @@ def add_doctor_parser(sub: Any) -> None:
     doctor.add_argument("--memory-ceiling-bytes", type=int)
     doctor.add_argument("--memory-probe", choices=["auto", "macos", "linux", "cuda", "allocator"])
     doctor.add_argument("--reserve-context-tokens", type=int)
+    doctor.add_argument("--context-length", type=int,
+                        help="as for serve: size the model served at this context")
     doctor.add_argument("--prefill-step-size", type=int)
     doctor.add_argument("--max-step-tokens", type=int, help="as for serve: the step's token budget")
     doctor.add_argument("--max-tokens", type=int,
@@ -117,9 +119,9 @@ def collect(settings: Settings, *, model: str | None, max_tokens: int | None) ->
     report: dict[str, Any] = {
         "backend": backend,
         "settings": {k: getattr(settings, k) for k in (
-            "memory_probe", "memory_tier", "memory_ceiling_bytes", "reserve_context_tokens",
+            "memory_probe", "memory_tier", "memory_ceiling_bytes", "context_length",
             "prefill_step_size", "max_step_tokens", "min_prefill_chunk", "default_max_tokens",
-            "memory_guard")},
+            "memory_guard")} | {"reserve_context_tokens": settings.load_reserve_tokens},
     }
 
     probes: dict[str, Any] = {}
@@ -160,7 +162,7 @@ def collect(settings: Settings, *, model: str | None, max_tokens: int | None) ->
         from engine.model_spec import ModelSpecError
 
         try:
-            spec = read_spec(settings, model)
+            spec = read_spec(settings, model, settings.context_length)
         except (ModelSpecError, ValueError) as exc:
             problems.append(f"cannot size {model}: {exc}")
         else:

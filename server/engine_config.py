@@ -30,8 +30,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         kv_bits=settings.kv_bits,
         kv_group_size=settings.kv_group_size,
         speculative=SpeculativeConfig(settings.speculative, settings.num_speculative_tokens,
-                                      settings.speculative_max_rows, draft_model=settings.draft_model,
-                                      draft_dtype=settings.dtype),
+                                      settings.speculative_max_rows),
     )
 
 
@@ -49,6 +48,7 @@ def group_config(settings: Settings) -> GroupConfig:
         dtype=settings.dtype,
         shutdown_grace_s=settings.shutdown_grace_s,
         log_level=settings.log_level,
+        context_length=settings.context_length,
     )
 
 

@@ -21,6 +21,7 @@ log = logging.getLogger("mlx_headroom.server")
 
 EXIT_DOES_NOT_FIT = 4  # distinct from 1 (engine died), 2 (bad flags), 3 (start-up failed)
 EXIT_CANNOT_SIZE = 3  # the model or the machine could not be read: a failed start-up
+EXIT_BAD_SETTINGS = 2  # a setting this model cannot be served with (--context-length)
 
 
 class LoadRefused(Exception):
@@ -75,14 +76,18 @@ def ceiling_for(settings: Settings, snapshot: MemorySnapshot) -> Ceiling:
     )
 
 
-def read_spec(settings: Settings, model: str | None = None) -> ModelSpec:
+def read_spec(settings: Settings, model: str | None = None,
+              context_length: int | None = None) -> ModelSpec:
     """The model as the engine will serve it: its KV quantized as the settings say, so
-    that load admission counts the bytes the engine's store will hold."""
+    that load admission counts the bytes the engine's store will hold, and its context the
+    served one (``settings.context_length`` for the settings' own model, else
+    ``context_length``)."""
     from engine.model_spec import read_model_spec
 
     spec = read_model_spec(
         model or settings.model, load_format=settings.load_format, dtype=settings.dtype,
         name=settings.public_model_name if model is None else model,
+        context_length=settings.context_length if model is None else context_length,
     )
     if settings.kv_bits is None:
         return spec
@@ -105,7 +110,7 @@ def fit_for_settings(
         spec,
         ceiling_for(settings, snapshot),
         baseline_bytes=usage_bytes(snapshot),
-        reserve_tokens=settings.reserve_context_tokens,
+        reserve_tokens=settings.load_reserve_tokens,
         max_tokens=max_tokens or settings.default_max_tokens,
         params=engine_params(settings, backend_name(), spec.geometry.kv_bytes_per_token,
                              snapshot.total_bytes if snapshot.platform == "cuda" else None),
@@ -120,10 +125,13 @@ def admit_load(settings: Settings, probe: Probe | None = None) -> LoadAdmission 
     ``force_load`` is set (then the verdict is logged and kept for /v1/memory). With the
     guard off nothing is refused. None: the model could not be sized and is loaded unchecked.
     """
+    from engine.context import ContextLengthSettingError
     from engine.model_spec import ModelSpecError
 
     try:
         spec = read_spec(settings)
+    except ContextLengthSettingError as exc:  # refused whatever the guard: not a memory question
+        raise LoadRefused(str(exc), EXIT_BAD_SETTINGS) from exc
     except ModelSpecError as exc:
         if settings.force_load or not settings.memory_guard:
             log.warning("load admission skipped: cannot size the model before loading it: %s", exc)
@@ -143,17 +151,44 @@ def admit_load(settings: Settings, probe: Probe | None = None) -> LoadAdmission 
             "`mlx-headroom doctor` shows each probe. --force-load loads it unchecked.",
             EXIT_CANNOT_SIZE,
         ) from exc
+    draft = _draft_in_use(settings) if settings.draft_model else None
+    if draft is not None:  # it loads beside the model: the model must fit on top of it
+        snapshot = replace(snapshot, footprint_bytes=snapshot.footprint_bytes + draft[1])
     report = fit_for_settings(settings, spec, snapshot)
+    message = (draft[0] if draft else "") + report.message()
     if report.fits:
-        log.info("load admission: %s", report.message())
+        log.info("load admission: %s", message)
         return LoadAdmission(report, forced=False, checked=settings.memory_guard)
     if not settings.memory_guard:
-        log.warning("load admission (guard off, not enforced): %s", report.message())
+        log.warning("load admission (guard off, not enforced): %s", message)
         return LoadAdmission(report, forced=False, checked=False)
     if settings.force_load:
-        log.warning("--force-load: loading although the reserve is not met: %s", report.message())
+        log.warning("--force-load: loading although the reserve is not met: %s", message)
         return LoadAdmission(report, forced=True)
-    raise LoadRefused(report.message())
+    raise LoadRefused(message)
+
+
+def _draft_in_use(settings: Settings) -> tuple[str, int] | None:
+    """The draft model's weights and its KV for the load reserve, as bytes the model loads
+    beside, with the sentence that says so; None (and a warning) when it cannot be sized."""
+    from engine.model_spec import ModelSpecError
+    from memory.estimate import kv_cache_bytes
+
+    assert settings.draft_model is not None
+    try:
+        draft = read_spec(settings, settings.draft_model)
+    except ModelSpecError as exc:
+        log.warning("load admission does not count the draft model: cannot size it (%s)", exc)
+        return None
+    tokens = min(settings.load_reserve_tokens, draft.context_length)
+    kv = kv_cache_bytes(draft.geometry, tokens)
+    note = (f"with the draft model {settings.draft_model} (its weights {_mib(draft.weight_bytes)} and KV "
+            f"for {tokens} reserved tokens {_mib(kv)} counted as in use): ")
+    return note, draft.weight_bytes + kv
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 def fit_json(report: FitReport) -> dict[str, Any]:

@@ -161,7 +161,8 @@ class ModelPool:
         s = self.settings
         return EngineClient(
             load=lambda: load_model(entry.path, model_id=entry.id, load_format=s.load_format,
-                                    dtype=s.dtype, fuse_projections=s.fuse_projections),
+                                    dtype=s.dtype, fuse_projections=s.fuse_projections,
+                                    context_length=s.context_length if entry is self.primary else None),
             guard=self.guard_for(entry), config=engine_config(s), max_queue=s.max_queue,
             on_death=self.on_death,
         )
@@ -178,7 +179,8 @@ class ModelPool:
             self._rebase(engine)
             return self.base
         settings = self.settings.model_copy(
-            update={"model": entry.path, "served_model_name": entry.id, "model_aliases": {}}
+            update={"model": entry.path, "served_model_name": entry.id, "model_aliases": {},
+                    "context_length": None}
         )
         return dataclasses.replace(self.base, settings=settings, engine=engine,
                                    load_admission=entry.admission, grammar_compiler=None)
@@ -286,8 +288,11 @@ class ModelPool:
 
     async def _fit(self, entry: ModelEntry) -> FitReport:
         settings = self._policy_settings()
+        if entry is not self.primary:  # --context-length is the primary's alone
+            settings = settings.model_copy(update={"context_length": None})
         await self._hand_back()
-        spec = await asyncio.to_thread(read_spec, settings, entry.path)
+        spec = await asyncio.to_thread(read_spec, settings,
+                                       None if entry is self.primary else entry.path)
         snapshot = await asyncio.to_thread(self.guard.snapshot)
         # What the engines were admitted for and have not allocated yet counts as in use.
         pending = sum(self.shared.snapshot().values())

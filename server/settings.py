@@ -10,6 +10,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 GiB = 1 << 30
+DEFAULT_RESERVE_TOKENS = 8192  # load admission's reserve without --context-length
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,11 @@ class Settings(BaseSettings):
         description="requested model name -> served name; a name may be a glob ('claude-*', '*'). "
         "From 'NAME=served' items (repeatable flag, comma-separated env) or a JSON object",
     )
+    context_length: int | None = Field(
+        None, ge=1, description="serve the model at this context instead of its own: lower, or "
+        "higher where its RoPE scaling reaches (engine.context); `model` only. The load reserve "
+        "is then this context unless reserve_context_tokens is set",
+    )
     host: str = "127.0.0.1"
     port: int = 8000
 
@@ -115,14 +121,9 @@ class Settings(BaseSettings):
     kv_group_size: Literal[32, 64, 128] = Field(
         64, description="values per scale and bias of quantized KV; must divide the model's head_dim",
     )
-    speculative: Literal["off", "prompt-lookup", "draft-model"] = Field(
+    speculative: Literal["off", "prompt-lookup"] = Field(
         "off", description="speculative decoding: prompt-lookup drafts from each request's own prompt "
-        "and output, draft-model from --draft-model; verified exactly while the batch is small "
-        "(engine.speculative); off: none",
-    )
-    draft_model: str | None = Field(
-        None, description="a smaller model with the same tokenizer whose greedy tokens are the drafts "
-        "(a path, hub id or named model); implies --speculative draft-model",
+        "and output, verified exactly while the batch is small (engine.speculative); off: none",
     )
     num_speculative_tokens: int = Field(4, ge=1, le=64, description="drafts per request and step, at most")
     speculative_max_rows: int | None = Field(
@@ -179,9 +180,9 @@ class Settings(BaseSettings):
     responses_store_bytes: int = Field(64 << 20, ge=0, description="bytes of stored responses, at most")
 
     # load admission (issue 15)
-    reserve_context_tokens: int = Field(
-        8192, ge=1, description="context to reserve KV for when admitting the model at load "
-        "(capped at the model's context)"
+    reserve_context_tokens: int | None = Field(
+        None, ge=1, description="context to reserve KV for when admitting the model at load "
+        "(capped at the served context; default: context_length when set, else 8192)"
     )
     force_load: bool = Field(False, description="load even when the reserve does not fit")
 
@@ -259,15 +260,6 @@ class Settings(BaseSettings):
         return value
 
     @model_validator(mode="after")
-    def _draft_model_method(self) -> Settings:
-        if self.draft_model is not None and self.speculative == "off":
-            self.speculative = "draft-model"
-        if (self.speculative == "draft-model") != (self.draft_model is not None):
-            raise ValueError("--speculative draft-model drafts from --draft-model, and --draft-model "
-                             f"needs it (not {self.speculative!r})")
-        return self
-
-    @model_validator(mode="after")
     def _step_budget_from_the_backend(self) -> Settings:
         if self.max_step_tokens is None:
             self.max_step_tokens = backend_defaults().step_chunks * self.prefill_step_size
@@ -291,6 +283,14 @@ class Settings(BaseSettings):
             raise ValueError("several models (--model repeated, --allowed-models, "
                              "--idle-unload-s) are not supported with tensor parallelism yet")
         return self
+
+    @property
+    def load_reserve_tokens(self) -> int:
+        """The context load admission reserves KV for: what the operator set, else the whole
+        of a context they chose (so the guard admits the memory for it), else 8192."""
+        if self.reserve_context_tokens is not None:
+            return self.reserve_context_tokens
+        return self.context_length or DEFAULT_RESERVE_TOKENS
 
     @property
     def public_model_name(self) -> str:

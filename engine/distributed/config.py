@@ -20,3 +20,4 @@ class GroupConfig:
     dtype: str | None
     shutdown_grace_s: float  # rank 0's drain; the others leave this long after it
     log_level: str
+    context_length: int | None = None  # `--context-length`: served instead of the model's own

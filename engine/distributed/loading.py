@@ -21,7 +21,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from engine.loader import LoadedModel, _context_length, backend_name
+from engine.loader import LoadedModel, backend_name, served_context_length
 from memory import ModelGeometry, geometry_from_model
 
 log = logging.getLogger("mlx_headroom.distributed")
@@ -83,6 +83,7 @@ def load_sharded(
     model_id: str | None = None,
     load_format: str = "auto",
     dtype: str | None = None,
+    context_length: int | None = None,
     progress: Callable[[str], None] = log.info,
 ) -> LoadedModel:
     started = time.monotonic()
@@ -103,7 +104,7 @@ def load_sharded(
     geometry = rank_geometry(geometry_from_model(built), size)
     loaded = LoadedModel(
         model=built, tokenizer=tokenizer, model_id=name, path=str(path), geometry=geometry,
-        backend=backend_name(), context_length=_context_length(path, tokenizer),
+        backend=backend_name(), context_length=served_context_length(path, tokenizer, context_length, name),
         weight_bytes=weight_bytes,
     )
     progress(f"rank {rank}/{size}: loaded its shard of {name} in {time.monotonic() - started:.1f}s: "

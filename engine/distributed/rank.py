@@ -86,7 +86,8 @@ class Rank:
         self.lockstep = Lockstep(channel, self.local_probe, self.group_probe)
         g = self.group_config
         loaded = load_sharded(g.model, group, model_id=g.model_id,
-                              load_format=g.load_format, dtype=g.dtype)
+                              load_format=g.load_format, dtype=g.dtype,
+                              context_length=g.context_length)
         self.lockstep.initial_sync()
         self.watchdog.start()
         return loaded
