@@ -39,6 +39,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from memory import ModelGeometry, geometry_from_model
+from memory.estimate import KVGroup, KVLayout, cache_slots
 
 KV_STEP = 256  # mlx-lm's caches grow by this many tokens
 PROBE_TOKENS = 2
@@ -67,21 +68,19 @@ class LayerCache:
     value_dim: int = 0
     mergeable: bool = True  # the class has `merge`: rows batch through mlx-lm's batch caches
 
-    def slots(self, tokens: int, chunk: int = 0) -> int:
-        """Token slots this entry holds for a sequence of `tokens`, `chunk` at a time."""
-        if tokens <= 0 or self.kind == STATE:
-            return 0
-        if self.kind in (FULL, QUANTIZED, CUSTOM):
-            return _round_up(tokens)
-        window = self.window or tokens
-        if self.kind == WINDOW:
-            # decoding grows in steps up to the window; a prefill chunk is concatenated
-            # to up to window - 1 kept tokens before the trim
-            return max(min(_round_up(tokens), window), min(tokens, window + max(chunk, 1) - 1))
-        return min(_round_up(tokens), _round_up(window + max(chunk, 1)))  # chunked
+    @property
+    def held_as(self) -> str:
+        """How the memory module sizes it: quantized and custom entries hold every token."""
+        return FULL if self.kind in (QUANTIZED, CUSTOM) else self.kind
 
-    def bytes_for(self, tokens: int, chunk: int = 0) -> int:
-        return self.slots(tokens, chunk) * self.bytes_per_token + self.fixed_bytes
+    def slots(self, tokens: int, chunk: int = 0, *, merged: bool = True) -> int:
+        """Token slots this entry holds for a sequence of `tokens`, `chunk` at a time, its
+        row `merged` into a decode batch or not (`memory.estimate.cache_slots`: the one
+        rule admission and the store share)."""
+        return cache_slots(self.held_as, tokens, self.window, chunk, merged=merged)
+
+    def bytes_for(self, tokens: int, chunk: int = 0, *, merged: bool = True) -> int:
+        return self.slots(tokens, chunk, merged=merged) * self.bytes_per_token + self.fixed_bytes
 
     def bytes_used(self, tokens: int) -> int:
         """The bytes of the tokens themselves (no step rounding): what is written."""
@@ -131,12 +130,42 @@ class CacheLayout:
 
     def bytes_for(self, tokens: int, chunk: int = 0) -> int:
         """KV bytes one sequence of `tokens` holds at most, prefilled `chunk` tokens at a
-        time: full entries every token in 256-token steps, window entries at most their
-        window (plus a chunk during prefill), state entries their fixed size."""
-        return sum(c.bytes_for(tokens, chunk) for c in self.layers)
+        time: full entries every token in 256-token steps (counted from the exact length
+        at which a row merges into the decode batch, where rows merge), window entries at
+        most their window (plus a chunk during prefill), state entries their fixed size."""
+        return sum(c.bytes_for(tokens, chunk, merged=self.merges) for c in self.layers)
 
     def bytes_used(self, tokens: int) -> int:
         return sum(c.bytes_used(tokens) for c in self.layers)
+
+    @property
+    def merges(self) -> bool:
+        """Rows join a merged decode batch (else each keeps its own caches)."""
+        return self.mergeable and self.batched
+
+    @property
+    def uniform(self) -> bool:
+        """Every entry holds every token and no fixed state: sized by bytes per token alone."""
+        return all(c.held_as == FULL and not c.fixed_bytes for c in self.layers)
+
+    def kv_layout(self, dtype_bytes: int | None = None) -> KVLayout:
+        """The memory module's terms: entries grouped by kind and window, their bytes
+        summed (scaled to `dtype_bytes` per element where the weights will be another
+        dtype than the probe's)."""
+        def scaled(n: int) -> int:
+            if dtype_bytes is None or dtype_bytes == self.dtype.size:
+                return n
+            return -(-n * dtype_bytes // self.dtype.size)
+
+        groups: dict[tuple[str, int | None], list[LayerCache]] = {}
+        for c in self.layers:
+            groups.setdefault((c.held_as, c.window if c.held_as != FULL else None), []).append(c)
+        return KVLayout(tuple(
+            KVGroup(kind, len(members), bytes_per_token=scaled(sum(c.bytes_per_token for c in members)),
+                    fixed_bytes=scaled(sum(c.fixed_bytes for c in members)), window=window,
+                    merged=self.merges)
+            for (kind, window), members in groups.items()
+        ))
 
     def kinds(self) -> dict[str, int]:
         """Entries by kind, e.g. {"full": 2, "window": 10}."""
@@ -319,10 +348,6 @@ def _dtype_of(caches: list[Any], logits: mx.array) -> mx.Dtype:
     return logits.dtype
 
 
-def _round_up(tokens: int, step: int = KV_STEP) -> int:
-    return -(-tokens // step) * step
-
-
 _HEADS = ("num_attention_heads", "n_head", "n_heads", "num_heads")
 _HIDDEN = ("hidden_size", "n_embd", "d_model", "dim")
 _INTERMEDIATE = ("intermediate_size", "n_inner", "ffn_dim", "d_inner")
@@ -332,7 +357,9 @@ def geometry_for(model: Any, layout: CacheLayout, dtype_bytes: int | None = None
     """The memory module's geometry: from the model's config where it has the usual keys,
     else from the probe (KV heads and dims of its first attention entry, vocabulary from the
     logits) and whichever config names the architecture uses. Either way its KV bytes per
-    token are the probe's, as the caches store them."""
+    token are the probe's, as the caches store them, and a layout of several kinds (window,
+    chunked, state entries) comes with it, so that every estimate sizes a sequence as its
+    caches hold it."""
     try:
         geometry = geometry_from_model(model, dtype_bytes=dtype_bytes)
     except ValueError:
@@ -340,10 +367,12 @@ def geometry_for(model: Any, layout: CacheLayout, dtype_bytes: int | None = None
     measured = layout.bytes_per_token
     if dtype_bytes is not None and layout.dtype.size != dtype_bytes:
         measured = measured * dtype_bytes // layout.dtype.size
-    if geometry.kv_bits is not None or measured == geometry.kv_bytes_per_token:
-        return geometry
     from dataclasses import replace
 
+    if not layout.uniform and geometry.kv_bits is None:
+        geometry = replace(geometry, kv_layout=layout.kv_layout(dtype_bytes))
+    if geometry.kv_bits is not None or measured == geometry.kv_bytes_per_token:
+        return geometry
     return replace(geometry, measured_kv_bytes_per_token=measured)
 
 

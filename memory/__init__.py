@@ -12,6 +12,8 @@ from .decision import AdmissionQuery, Decision, Outcome, cache_limit_bytes, deci
 from .errors import ProbeError, ProbeUnavailableError
 from .estimate import (
     KV_STEP,
+    KVGroup,
+    KVLayout,
     ModelGeometry,
     PrefillEstimate,
     estimate_decode_reservation,
@@ -51,6 +53,8 @@ __all__ = [
     "FitReport",
     "GuardState",
     "HandBackPolicy",
+    "KVGroup",
+    "KVLayout",
     "LinuxProbe",
     "LoadRequirement",
     "MacOSProbe",

@@ -50,6 +50,107 @@ _DTYPE_BYTES = {
 }
 
 
+FULL, WINDOW, CHUNKED, STATE = "full", "window", "chunked", "state"
+
+
+def cache_slots(kind: str, tokens: int, window: int | None = None, chunk: int = 0, *,
+                merged: bool = True) -> int:
+    """Token slots one of mlx-lm's cache entries holds for a sequence of ``tokens``,
+    prefilled ``chunk`` tokens at a time (the rule ``engine.cache_layout`` reads kinds for):
+
+    - full (``KVCache``, quantized, a model's own): every token, in 256-token steps
+      counted from wherever the buffer last stood. A cache of its own grows from zero:
+      ``tokens`` rounded up to a step. A row ``merged`` into the decode batch is copied at
+      its exact length and grows 256 at a time from there, so it holds up to
+      ``tokens + 255`` slots (never fewer than its own cache held before it joined);
+    - window (``RotatingKVCache``): decoding grows in steps up to the window, and a prefill
+      chunk is concatenated to up to window - 1 kept tokens before the next trim;
+    - chunked (``ChunkedKVCache``): at most one attention chunk plus the prefill chunk;
+    - state (``ArraysCache``): no slots, a fixed size per sequence instead.
+    """
+    if tokens <= 0 or kind == STATE:
+        return 0
+    if kind == FULL:
+        return tokens + KV_STEP - 1 if merged else _round_up(tokens)
+    window = window or tokens
+    if kind == WINDOW:
+        return max(min(_round_up(tokens), window), min(tokens, window + max(chunk, 1) - 1))
+    return min(_round_up(tokens), _round_up(window + max(chunk, 1)))  # chunked
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """Cache entries of one kind and window: what each holds, and how many there are."""
+
+    kind: str  # FULL, WINDOW, CHUNKED or STATE
+    entries: int
+    bytes_per_token: int = 0  # keys and values of one token, all the group's entries
+    fixed_bytes: int = 0  # state per sequence, all the group's entries
+    window: int | None = None  # WINDOW: the window; CHUNKED: the attention chunk
+    merged: bool = True  # rows join a merged decode batch (``cache_slots``)
+
+    def bytes_for(self, tokens: int, chunk: int = 0) -> int:
+        slots = cache_slots(self.kind, tokens, self.window, chunk, merged=self.merged)
+        return slots * self.bytes_per_token + self.fixed_bytes
+
+    def span(self, context: int, chunk: int) -> int:
+        """Keys one query of a chunk of ``chunk`` after ``context`` tokens attends over."""
+        if self.kind == STATE:
+            return chunk  # no keys: a recurrent layer's transients are the chunk's own
+        if self.kind == FULL or not self.window:
+            return context + chunk
+        if self.kind == WINDOW:
+            return min(context, self.window - 1) + chunk
+        return min(context, self.window) + chunk  # chunked
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """A model's caches by kind, read from its own cache objects (``engine.cache_layout``):
+    full entries hold every token, window entries at most their window (plus a prefill
+    chunk), state entries a fixed size per sequence. A model with such a layout is served
+    through mlx-lm's own caches, which allocate as they grow: no blocks, no segments."""
+
+    groups: tuple[KVGroup, ...]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Keys and values of one token across every entry (windows counted as if they held
+        every token: the per-token rate, not a sequence's total)."""
+        return sum(g.bytes_per_token for g in self.groups)
+
+    @property
+    def fixed_bytes(self) -> int:
+        return sum(g.fixed_bytes for g in self.groups)
+
+    def bytes_for(self, tokens: int, chunk: int = 0) -> int:
+        """KV bytes one sequence of ``tokens`` holds at most, prefilled ``chunk`` at a time."""
+        return sum(g.bytes_for(tokens, chunk) for g in self.groups)
+
+    def span(self, context: int, chunk: int) -> int:
+        """The longest key span any entry's attention runs over for that chunk."""
+        return max((g.span(context, chunk) for g in self.groups), default=context + chunk)
+
+    def layer_transient_bytes(self, context: int, chunk: int) -> int:
+        """One entry's old and new buffers at once while a chunk grows it (entries run in
+        sequence): a full entry's step-rounded old buffer and its grown one; a window entry
+        its old buffer, the copy that puts it in temporal order, and the trimmed one with
+        the chunk; a state entry its old and new state."""
+        worst = 0
+        for g in self.groups:
+            n = max(g.entries, 1)
+            per_token, fixed = g.bytes_per_token // n, g.fixed_bytes // n
+            if g.kind == FULL:
+                slots = _round_up(context) + context + _round_up(chunk)
+            elif g.kind == STATE:
+                slots = 0
+            else:
+                old = cache_slots(g.kind, context, g.window, chunk)
+                slots = 2 * old + min(context, g.window or context) + chunk
+            worst = max(worst, slots * per_token + 2 * fixed)
+        return worst
+
+
 @dataclass(frozen=True)
 class ModelGeometry:
     """The shape numbers that determine memory use; nothing else about the model."""
@@ -67,6 +168,10 @@ class ModelGeometry:
     # Read from the model's own cache objects (the engine's probe) where its caches do not
     # follow the config's heads and dims: MLA's latent, models without attention keys.
     measured_kv_bytes_per_token: int | None = None
+    # Where some entries are not full attention (sliding windows, recurrent state): each
+    # kind's terms, so that a sequence is sized as its caches hold it. None: every layer
+    # holds every token at ``kv_bytes_per_token``.
+    kv_layout: KVLayout | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -183,9 +288,12 @@ def _round_up(tokens: int, step: int = KV_STEP) -> int:
 
 
 def kv_cache_bytes(geometry: ModelGeometry, tokens: int, batch: int = 1) -> int:
-    """Bytes allocated by a KV cache holding ``tokens`` tokens (rounded up to 256-token steps)."""
+    """Bytes allocated by a KV cache holding ``tokens`` tokens (rounded up to 256-token steps;
+    window entries at most their window, state entries their fixed size)."""
     if tokens < 0 or batch < 0:
         raise ValueError("tokens and batch must be non-negative")
+    if geometry.kv_layout is not None:
+        return geometry.kv_layout.bytes_for(tokens) * batch
     return _round_up(tokens) * batch * geometry.kv_bytes_per_token
 
 
@@ -244,10 +352,17 @@ def estimate_prefill(
 
     # KV: every layer gains up to ceil(C/256) steps; one layer's old and new buffers coexist.
     per_token_layer = g.kv_bytes_per_token // g.num_layers
-    permanent = kv_cache_bytes(g, c, b)
-    old_layer = _round_up(t) * b * per_token_layer
-    new_layer = (t + _round_up(c)) * b * per_token_layer
-    kv_growth = permanent + old_layer + new_layer
+    layout = g.kv_layout
+    if layout is None:
+        permanent = kv_cache_bytes(g, c, b)
+        old_layer = _round_up(t) * b * per_token_layer
+        new_layer = (t + _round_up(c)) * b * per_token_layer
+        kv_growth = permanent + old_layer + new_layer
+    else:  # window entries gain at most the chunk, state entries nothing
+        permanent = sum(grp.bytes_per_token for grp in layout.groups if grp.kind == FULL) * _round_up(c)
+        permanent += sum(grp.bytes_per_token for grp in layout.groups if grp.kind != FULL) * c
+        kv_growth = b * (permanent + layout.layer_transient_bytes(t, c))
+        span = layout.span(t, c)  # the longest key span any layer attends over
 
     # Attention for one layer at a time (layers run in sequence).
     qo = 2 * b * g.num_heads * c * g.head_dim * dt
@@ -260,6 +375,8 @@ def estimate_prefill(
         attention = 2 * scores + mask + qo
     if masked:
         attention += b * c * span * (dt + 1)  # the additive mask and its boolean source
+    if layout is not None:  # a window's own mask, made once beside the causal one
+        attention += sum(c * grp.span(t, c) for grp in layout.groups if grp.kind in (WINDOW, CHUNKED))
     if g.kv_bits is not None:
         attention += b * span * per_token_layer  # the gathered packed rows, before decoding
 

@@ -7,7 +7,10 @@ token more) for one request at a time, on an idle server with an empty prefix ca
 
 - a request of P prompt tokens and M output tokens *reserves* P + M tokens of KV in whole
   blocks, allocated when it is admitted: in a new segment of the default size if that
-  fits with its first full-size chunk, else in a segment sized exactly to it;
+  fits with its first full-size chunk, else in a segment sized exactly to it; a model
+  whose geometry carries a cache layout of several kinds (sliding windows, recurrent
+  state) is served through mlx-lm's own caches instead (``engine/dense/store.py``), which
+  reserve what the request's caches hold at most and have no segments;
 - every prefill chunk is predicted by :func:`~memory.estimate.estimate_prefill` times the
   tracker's margin (joining the batch copies nothing);
 - each engine step runs at most ``step_tokens`` prompt tokens (one chunk unless set;
@@ -54,7 +57,11 @@ def reservation_bytes(
     geometry: ModelGeometry, final_lens: Sequence[int], params: EngineParams = EngineParams()
 ) -> int:
     """KV the store reserves for requests of these final lengths: each its own, in whole
-    blocks (no padding to the longest)."""
+    blocks (no padding to the longest). A model with a cache layout of several kinds is
+    served through mlx-lm's own caches: each request what its caches hold at most
+    (:meth:`~memory.estimate.KVLayout.bytes_for`, prefilled a chunk at a time)."""
+    if geometry.kv_layout is not None:
+        return sum(geometry.kv_layout.bytes_for(max(n, 1), params.chunk_tokens) for n in final_lens)
     block = params.kv_block_tokens
     return sum(-(-max(n, 1) // block) * block for n in final_lens) * geometry.kv_bytes_per_token
 
@@ -62,7 +69,10 @@ def reservation_bytes(
 def segment_bytes(
     geometry: ModelGeometry, final_len: int, params: EngineParams, *, exact: bool
 ) -> int:
-    """A new segment for one request: its blocks exactly, or the default size if larger."""
+    """A new segment for one request: its blocks exactly, or the default size if larger
+    (mlx-lm's own caches have no segments: the request's own reservation)."""
+    if geometry.kv_layout is not None:
+        return reservation_bytes(geometry, [final_len], params)
     block = params.kv_block_tokens
     need = -(-max(final_len, 1) // block)
     blocks = need if exact else max(need, max(1, params.kv_segment_tokens // block))

@@ -1,0 +1,81 @@
+"""A sliding-window model's memory: the bytes admission reserves for a long request, and
+the bytes load admission counts for it, are what its caches hold (window layers at their
+window), checked against the caches' own arrays step by step on a real engine."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from engine import EngineRequest, LoadedModel, SamplingParams, load_model
+from engine.dense import DenseStore
+from memory import MemoryGuard, estimate_prefill
+from memory.probes.allocator import AllocatorProbe
+from memory.walk import EngineParams, walk_single_request
+from tests.engine import window_model
+from tests.engine.conftest import Harness
+
+STEP = 32  # prefill chunk
+
+
+@pytest.fixture(scope="module")
+def window_loaded(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    path = window_model.save_window_model(tmp_path_factory.mktemp("models") / "window", tiny_model_path)
+    return load_model(str(path))
+
+
+def test_a_long_request_is_reserved_and_load_admitted_at_what_its_caches_hold(
+    make_engine: Callable[..., Harness], window_loaded: LoadedModel
+) -> None:
+    prompt_tokens, new_tokens = 1500, 8  # 23 windows of prompt, in 47 chunks
+    total = prompt_tokens + new_tokens
+    guard = MemoryGuard(AllocatorProbe())
+    h = make_engine(guard=guard, loaded=window_loaded, prefill_step_size=STEP, prefix_cache_bytes=0)
+    store = h.core.store
+    assert isinstance(store, DenseStore)
+    reserved = window_model.reserved_kv_bytes(total, STEP)
+    all_full = window_model.all_full_kv_bytes(total)
+    assert reserved < all_full / 2
+
+    # load admission's arithmetic (memory.walk, what `serve` and `doctor` run before the
+    # weights load) holds the request at the same bytes as the engine's store
+    walk = walk_single_request(
+        window_loaded.geometry, prompt_tokens=prompt_tokens, max_tokens=new_tokens,
+        usage_bytes=0, ceiling_bytes=1 << 40, params=EngineParams(chunk_tokens=STEP),
+    )
+    assert walk.admitted and walk.reserved_bytes == walk.kv_bytes == reserved
+
+    prompt = tuple(random.Random(5).randrange(256) for _ in range(prompt_tokens))
+    h.submit(EngineRequest("long", prompt, new_tokens, SamplingParams(temperature=0.0)))
+    peak_held = steps = 0
+    while "long" not in h.out.finished:
+        seq = next((s for s in [*h.core.waiting, *h.core.prefilling, *h.core.batch.seqs]
+                    if s.request_id == "long"), None)
+        processed = seq.processed if seq is not None else 0
+        before = store.request_bytes()
+        h.step()
+        held = store.request_bytes()  # the caches' arrays, read back from MLX
+        mx.eval([c.state for c in store._caches()])
+        if store.requests:
+            steps += 1
+            # the guard was asked for this reservation, and the store reports it
+            assert store.reserved_bytes() == h.core.admission.reservation_bytes(
+                [s for s in [*h.core.prefilling, *h.core.batch.seqs]]) == reserved
+            assert h.core.stats.kv_reserved_bytes == reserved
+            assert held <= reserved
+            if processed < prompt_tokens - 1 and held > before:  # a prefill chunk ran
+                chunk = min(STEP, prompt_tokens - 1 - processed)
+                estimate = estimate_prefill(window_loaded.geometry, chunk_tokens=chunk,
+                                            context_tokens=processed)
+                assert held - before <= estimate.kv_growth_bytes
+        peak_held = max(peak_held, held)
+    assert steps >= prompt_tokens // STEP
+    # tight: the reservation is the peak the caches reached, up to the window layers'
+    # chunk that only a prefill holds and part of the full layers' last 256-token step
+    slack = window_model.WINDOW_LAYERS * (STEP - 1) + window_model.FULL_LAYERS * 255
+    assert peak_held <= reserved <= peak_held + slack * window_model.BYTES_PER_TOKEN_LAYER
+    assert store.requests == {} and store.request_bytes() == 0
