@@ -6,8 +6,14 @@ What llama.cpp's converter did that has to be undone, or hard-codes rather than 
   so it is subtracted again. q/k are not permuted; the head is tied to the embedding.
   Sliding-window pattern 6 (five local layers to one global), local RoPE base 10,000 and the
   query scale 1/sqrt(head_dim) are not in the file.
-- llama, mistral: q and k were permuted for llama.cpp's interleaved RoPE; permuted back here.
-- qwen2, qwen3: stored as Hugging Face has them (NeoX RoPE), biases on q/k/v for qwen2.
+- llama: q and k (weights and biases) were permuted for llama.cpp's interleaved RoPE;
+  permuted back here. llama.cpp writes Mistral models (``MistralForCausalLM`` and Mistral's own
+  consolidated format) as ``llama`` too; ``mistral`` is kept for files written by other tools.
+- qwen2, qwen3: stored as Hugging Face has them (NeoX RoPE), biases on q/k/v for qwen2,
+  ``attn_q_norm``/``attn_k_norm`` for qwen3.
+
+Floats in the metadata are float32: they are read back as the shortest decimal that rounds to
+the same float32 (``1e-05``, not ``9.999999747378752e-06``), which is what the source config said.
 """
 
 from __future__ import annotations
@@ -84,8 +90,8 @@ def _base_config(g: GGUFFile, model_type: str) -> dict[str, Any]:
         "num_attention_heads": heads,
         "num_key_value_heads": int(kv_heads),
         "head_dim": int(g.get("attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(g.get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(g.get("rope.freq_base", 10000.0)),
+        "rms_norm_eps": _f32(g.get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": _f32(g.get("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(g.get("context_length", 4096)),
         "vocab_size": _vocab_size(g),
         "tie_word_embeddings": "output.weight" not in g.tensors,
@@ -93,10 +99,15 @@ def _base_config(g: GGUFFile, model_type: str) -> dict[str, Any]:
     scaling = g.get("rope.scaling.type")
     factor = g.get("rope.scaling.factor")
     if scaling == "linear" and factor:
-        config["rope_scaling"] = {"type": "linear", "rope_type": "linear", "factor": float(factor)}
+        config["rope_scaling"] = {"type": "linear", "rope_type": "linear", "factor": _f32(factor)}
     elif scaling not in (None, "none"):
         raise GGUFError(f"{g.path}: RoPE scaling {scaling!r} is not supported by the converter")
     return config
+
+
+def _f32(value: Any) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it."""
+    return float(str(np.float32(value)))
 
 
 def _vocab_size(g: GGUFFile) -> int:
@@ -125,12 +136,18 @@ def _gemma3_fix(g: GGUFFile, name: str, a: np.ndarray) -> np.ndarray:
     return a - 1.0 if name.endswith("norm.weight") else a
 
 
+def _biases(g: GGUFFile) -> dict[str, bool]:
+    """mlx-lm's Llama reads its q/k/v/o and MLP biases' presence from the config."""
+    return {"attention_bias": "blk.0.attn_q.bias" in g.tensors,
+            "mlp_bias": "blk.0.ffn_up.bias" in g.tensors}
+
+
 def _llama_config(g: GGUFFile) -> dict[str, Any]:
-    return _base_config(g, "llama") | {"architectures": ["LlamaForCausalLM"]}
+    return _base_config(g, "llama") | _biases(g) | {"architectures": ["LlamaForCausalLM"]}
 
 
 def _mistral_config(g: GGUFFile) -> dict[str, Any]:
-    return _base_config(g, "mistral") | {"architectures": ["MistralForCausalLM"]}
+    return _base_config(g, "mistral") | _biases(g) | {"architectures": ["MistralForCausalLM"]}
 
 
 def _qwen2_config(g: GGUFFile) -> dict[str, Any]:
@@ -149,9 +166,10 @@ def _unpermute(a: np.ndarray, heads: int) -> np.ndarray:
 
 
 def _llama_fix(g: GGUFFile, name: str, a: np.ndarray) -> np.ndarray:
-    if name.endswith("attn_q.weight"):
+    """q and k rows back in Hugging Face's order; llama.cpp permutes their biases too."""
+    if name.endswith(("attn_q.weight", "attn_q.bias")):
         return _unpermute(a, int(g.require("attention.head_count")))
-    if name.endswith("attn_k.weight"):
+    if name.endswith(("attn_k.weight", "attn_k.bias")):
         heads = g.require("attention.head_count")
         return _unpermute(a, int(g.get("attention.head_count_kv", heads)))
     return a

@@ -6,8 +6,11 @@ Two vocabularies are understood, as llama.cpp names them in ``tokenizer.ggml.mod
   rebuilt from the vocabulary, a pair ranked by its merged piece's score (llama.cpp's SPM
   merges the best-scoring adjacent pair first). Spaces become ``▁``, unknown bytes fall back
   to ``<0xNN>`` tokens.
-- ``gpt2``: byte-level BPE with stored merges (Llama 3, Qwen 2/3), split first by the regex
-  ``tokenizer.ggml.pre`` names.
+- ``gpt2``: byte-level BPE with stored merges (Llama 3, Qwen 2/3, Mistral's Tekken), split
+  first by the regex ``tokenizer.ggml.pre`` names. Qwen's own tokenizer NFC-normalizes first
+  (llama.cpp does not): so does the conversion, to give the source model's tokens. Llama 3 and
+  Tekken vocabularies take a whole pre-token that is in the vocabulary as is (``ignore_merges``)
+  and start with BOS unless the file says otherwise, as llama.cpp reads them.
 
 Control tokens (type 3) are special tokens; user-defined ones (type 4: Gemma's runs of
 spaces, tabs and newlines, ``<think>``) are matched whole in the raw text, as llama.cpp does.
@@ -29,10 +32,17 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_TEKKEN_SPLIT = (  # the regex of Mistral's tokenizer.json, which llama.cpp rewrites without \p{Lu}
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 PRE_TOKENIZER_SPLITS = {
     "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "tekken": _TEKKEN_SPLIT,
 }
+_IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe", "tekken"})
+_NFC = frozenset({"qwen2", "deepseek-r1-qwen"})
 
 
 def build_tokenizer(g: GGUFFile) -> Any:
@@ -90,7 +100,7 @@ def _sentencepiece_bpe(g: GGUFFile, tokens: list[str], types: list[int]) -> Any:
 
 
 def _byte_level_bpe(g: GGUFFile, tokens: list[str]) -> Any:
-    from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
     from tokenizers.models import BPE
 
     pre = g.metadata.get("tokenizer.ggml.pre", "default")
@@ -106,7 +116,9 @@ def _byte_level_bpe(g: GGUFFile, tokens: list[str]) -> Any:
         vocab.setdefault(t, i)
     merges = [tuple(m.split(" ", 1)) for m in merges_raw]
     tok = Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None, fuse_unk=False, byte_fallback=False,
-                        ignore_merges=pre in ("llama3", "llama-v3", "llama-bpe")))
+                        ignore_merges=pre in _IGNORE_MERGES))
+    if pre in _NFC:
+        tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(split), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
@@ -131,8 +143,7 @@ def _set_post_processor(g: GGUFFile, tok: Any, tokens: list[str]) -> None:
 
     bos_id = g.metadata.get("tokenizer.ggml.bos_token_id")
     eos_id = g.metadata.get("tokenizer.ggml.eos_token_id")
-    is_spm = g.metadata.get("tokenizer.ggml.model") == "llama"
-    add_bos = g.metadata.get("tokenizer.ggml.add_bos_token", is_spm)
+    add_bos = adds_bos(g)
     add_eos = g.metadata.get("tokenizer.ggml.add_eos_token", False)
     pre = [(tokens[bos_id], bos_id)] if add_bos and isinstance(bos_id, int) else []
     post = [(tokens[eos_id], eos_id)] if add_eos and isinstance(eos_id, int) else []
@@ -144,6 +155,14 @@ def _set_post_processor(g: GGUFFile, tok: Any, tokens: list[str]) -> None:
     pair = " ".join(x for x in (head, "$A", tail, head, "$B:1", tail) if x)
     tok.post_processor = processors.TemplateProcessing(single=single, pair=pair,
                                                        special_tokens=sorted(set(pre + post)))
+
+
+def adds_bos(g: GGUFFile) -> bool:
+    """Whether a prompt starts with BOS: the file's ``add_bos_token``, else llama.cpp's default
+    (yes for SentencePiece, Llama 3 and Tekken vocabularies, no for other byte-level ones)."""
+    default = (g.metadata.get("tokenizer.ggml.model") == "llama"
+               or g.metadata.get("tokenizer.ggml.pre") in _IGNORE_MERGES)
+    return bool(g.metadata.get("tokenizer.ggml.add_bos_token", default))
 
 
 def tokenizer_config(g: GGUFFile, chat_template: str | None, extra_eos: tuple[str, ...],
@@ -165,7 +184,7 @@ def tokenizer_config(g: GGUFFile, chat_template: str | None, extra_eos: tuple[st
         "eos_token": eos,
         "unk_token": token("unknown"),
         "pad_token": token("padding"),
-        "add_bos_token": bool(g.metadata.get("tokenizer.ggml.add_bos_token", False)),
+        "add_bos_token": adds_bos(g),
         "add_eos_token": bool(g.metadata.get("tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
     }
