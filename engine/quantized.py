@@ -22,9 +22,11 @@ the first needs `lhs_indices` (row i of x for every expert it is routed to), whi
 own default builds the same way; but a call given `lhs_indices` is never treated as
 sorted on the right (`right_sorted = sorted_indices and lhs_indices is None`, mlx/ops.cpp),
 so sorted calls keep x as it comes and pass no `lhs_indices`. Unlike `quantized_matmul`,
-this changes no kernel's work on MLX 0.32: every routed row is its own one-row product
-against its expert's weight by gather_qmm's definition; only Metal's sorted kernel
-(`gather_qmm_rhs`) reads one expert's weight once for the rows routed to it.
+this changes no CUDA kernel's work in MLX 0.32 (`GatherQMM::eval_gpu` counts the batch as
+out.size / (M·N) either way): every routed row is its own one-row product against its
+expert's weight by gather_qmm's definition; only Metal's sorted kernel (`gather_qmm_rhs`)
+reads one expert's weight once for the rows routed to it. The flat form is what such a
+kernel takes, and what bench/qmm_repro.py shows MLX's maintainers.
 """
 
 from __future__ import annotations
