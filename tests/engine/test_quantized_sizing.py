@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,9 @@ from mlx_lm.models.switch_layers import SwitchLinear
 from mlx_lm.utils import load_model, quantize_model, save_config, save_model
 
 from engine import EngineRequest, SamplingParams
+from engine import load_model as engine_load
 from engine.model_spec import spec_from_directory
-from engine.quantized import flatten_quantized
+from engine.quantized import FlatQuantizedSwitchLinear, flatten_quantized
 from memory.weights import Quantization
 from tests.engine import tiny_archs
 from tests.engine.test_quantized_moe import PROMPTS, _loaded, _mlx_lm_greedy, _prompt
@@ -135,6 +137,27 @@ def test_openais_mxfp4_checkpoint_is_served_as_mlx_lm_serves_it(openai_path: Pat
     served, _ = load_model(openai_path)
     assert flatten_quantized(served) > 0
     h = make_engine(loaded=_loaded(served, "openai"), prefix_cache_bytes=0)
+    for i, (n, m) in enumerate(PROMPTS):
+        h.submit(EngineRequest(f"q{i}", _prompt(i, n), m, SamplingParams(temperature=0.0)))
+    h.run_until(lambda: len(h.out.finished) == len(PROMPTS))
+    assert h.out.tokens == expected
+
+
+def test_the_loader_flattens_a_quantized_moe_and_serves_it_as_mlx_lm_does(tiny_model_path: Path,
+                                                                          make_engine,
+                                                                          tmp_path: Path):
+    """Through the engine's `load_model` (fusion, then flattening) on an mlx-community-style
+    gpt-oss: its mxfp4 experts become flat, and no token changes."""
+    _save_mlx_community(tmp_path, "mixed")
+    for f in tiny_model_path.iterdir():  # a tokenizer for the loader; the test speaks in ids
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, tmp_path / f.name)
+    reference, _ = load_model(tmp_path)
+    expected = {f"q{i}": _mlx_lm_greedy(reference, _prompt(i, n), m) for i, (n, m) in enumerate(PROMPTS)}
+    loaded = engine_load(str(tmp_path), model_id="gpt-oss-mxfp4")
+    experts = [m for _, m in loaded.model.named_modules() if isinstance(m, FlatQuantizedSwitchLinear)]
+    assert len(experts) == 3 * 2 and {m.mode for m in experts} == {"mxfp4"}
+    h = make_engine(loaded=loaded, prefix_cache_bytes=0)
     for i, (n, m) in enumerate(PROMPTS):
         h.submit(EngineRequest(f"q{i}", _prompt(i, n), m, SamplingParams(temperature=0.0)))
     h.run_until(lambda: len(h.out.finished) == len(PROMPTS))
