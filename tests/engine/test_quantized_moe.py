@@ -89,13 +89,16 @@ def test_greedy_output_is_mlx_lms_alone_and_batched(case, make_engine: Callable[
     assert h.out.tokens == expected, "batched"
 
 
-def test_a_decode_steps_quantized_products_see_rows(case, make_engine: Callable[..., Harness],
+@pytest.mark.parametrize("sequences", [3, 32])
+def test_a_decode_steps_quantized_products_see_rows(case, sequences: int,
+                                                     make_engine: Callable[..., Harness],
                                                      monkeypatch: pytest.MonkeyPatch):
     """quantized_matmul gets (rows, K); gather_qmm gets (rows, 1, K) and one expert index per
-    row, not SwitchGLU's (B, 1, 1, 1, K) against (B, 1, k)."""
+    row, not SwitchGLU's (B, 1, 1, 1, K) against (B, 1, k): 3 sequences route 6 rows
+    (unsorted), 32 route 64 (mlx-lm sorts them by expert)."""
     loaded, _ = case
     matmuls: list[int] = []
-    gathers: list[tuple[int, int]] = []
+    gathers: list[tuple[int, int, bool]] = []
     quantized_matmul, gather_qmm = mx.quantized_matmul, mx.gather_qmm
 
     def spy_matmul(x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
@@ -103,20 +106,20 @@ def test_a_decode_steps_quantized_products_see_rows(case, make_engine: Callable[
         return quantized_matmul(x, *args, **kwargs)
 
     def spy_gather(x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
-        gathers.append((x.ndim, kwargs["rhs_indices"].ndim))
+        gathers.append((x.ndim, kwargs["rhs_indices"].ndim, kwargs["sorted_indices"]))
         return gather_qmm(x, *args, **kwargs)
 
     h = make_engine(loaded=loaded, prefix_cache_bytes=0)
-    for i in range(3):
-        h.submit(EngineRequest(f"d{i}", _prompt(i, 7 + i), 4, SamplingParams(temperature=0.0)))
-    h.run_until(lambda: len(h.core.batch.seqs) == 3)
+    for i in range(sequences):
+        h.submit(EngineRequest(f"d{i}", _prompt(i, 7 + i % 5), 4, SamplingParams(temperature=0.0)))
+    h.run_until(lambda: len(h.core.batch.seqs) == sequences)
     monkeypatch.setattr(mx, "quantized_matmul", spy_matmul)
     monkeypatch.setattr(mx, "gather_qmm", spy_gather)
-    h.step()  # a decode step of three sequences: 3 × 2 routed rows, fewer than 64 (unsorted)
+    h.step()  # a decode step of every sequence
     monkeypatch.undo()
     assert matmuls and gathers, "the quantized model ran no quantized product"
     assert set(matmuls) == {2}, matmuls
-    assert set(gathers) == {(3, 1)}, gathers
+    assert set(gathers) == {(3, 1, sequences * 2 >= 64)}, gathers
 
 
 @pytest.mark.parametrize("mode", ["affine", "mxfp4"])
