@@ -3,7 +3,8 @@
 `source_model(family, directory)` builds a tiny random mlx-lm model directory of one family
 (float32, norms and biases random so that a misplaced one shows), with a byte-level BPE
 tokenizer that has a few merges and that family's pre-tokenizer regex, so the split matters.
-`write_gguf(source, path)` then writes it as ``convert_hf_to_gguf.py`` does for that family:
+`write_gguf(source, path, writer)` then writes it (or any mlx-lm Llama/Qwen directory with a
+byte-level tokenizer, such as the embedded tiny model) as ``convert_hf_to_gguf.py`` does:
 
 - the metadata of ``TextModel.set_gguf_parameters`` (block count, context length, widths, head
   counts, RoPE base, RMS epsilon; key/value length when the config has ``head_dim``), and for
@@ -53,16 +54,29 @@ MISTRAL_TEMPLATE = (
 
 
 @dataclass(frozen=True)
-class Family:
-    """One Hugging Face architecture and how llama.cpp writes it."""
+class LlamaCppWriter:
+    """What llama.cpp's converter class for an architecture does differently."""
 
-    name: str
-    config: dict[str, Any]  # the source's config.json (model_type, shape, special ids)
     gguf_arch: str  # general.architecture as llama.cpp writes it
     permute_qk: bool  # LlamaModel.undo_permute
     llama_keys: bool  # LlamaModel adds vocab_size and rope_dimension_count
-    pre: str  # tokenizer.ggml.pre: the name llama.cpp gives the split regex below
-    split: str
+    pre: str  # tokenizer.ggml.pre: the name llama.cpp gives the tokenizer's split regex
+
+
+QWEN2_WRITER = LlamaCppWriter("qwen2", permute_qk=False, llama_keys=False, pre="qwen2")
+QWEN3_WRITER = LlamaCppWriter("qwen3", permute_qk=False, llama_keys=False, pre="qwen2")
+MISTRAL_WRITER = LlamaCppWriter("llama", permute_qk=True, llama_keys=True, pre="tekken")
+LLAMA3_WRITER = LlamaCppWriter("llama", permute_qk=True, llama_keys=True, pre="llama-bpe")
+
+
+@dataclass(frozen=True)
+class Family:
+    """A tiny source model of one Hugging Face architecture, and how llama.cpp writes it."""
+
+    name: str
+    config: dict[str, Any]  # the source's config.json (model_type, shape, special ids)
+    writer: LlamaCppWriter
+    split: str  # the tokenizer's split regex (what writer.pre names)
     specials: tuple[str, ...]
     bos: str | None  # tokenizer_config's bos_token
     eos: str
@@ -80,27 +94,27 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family(
         "qwen2", dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], **_SHAPE,
                       rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True),
-        "qwen2", False, False, "qwen2", _QWEN2_SPLIT, ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        QWEN2_WRITER, _QWEN2_SPLIT, ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
         None, "<|im_end|>", False, CHATML_TEMPLATE, nfc=True, padding=5,
         extra={"bos_token_id": "<|endoftext|>"}),
     "qwen3": Family(
         "qwen3", dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], **_SHAPE, head_dim=32,
                       rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False),
-        "qwen3", False, False, "qwen2", _QWEN2_SPLIT, ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        QWEN3_WRITER, _QWEN2_SPLIT, ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
         None, "<|im_end|>", False, CHATML_TEMPLATE, nfc=True, padding=3,
         extra={"bos_token_id": "<|endoftext|>"}),
     "mistral": Family(
         "mistral", dict(model_type="mistral", architectures=["MistralForCausalLM"], **_SHAPE,
                         head_dim=16, rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None,
                         tie_word_embeddings=False),
-        "llama", True, True, "tekken", _TEKKEN_SPLIT, ("<unk>", "<s>", "</s>", "[INST]", "[/INST]"),
+        MISTRAL_WRITER, _TEKKEN_SPLIT, ("<unk>", "<s>", "</s>", "[INST]", "[/INST]"),
         "<s>", "</s>", True, MISTRAL_TEMPLATE, ignore_merges=True),
     # a Llama with q/k/v biases: llama.cpp permutes the q and k biases with their rows
     "llama-bias": Family(
         "llama-bias", dict(model_type="llama", architectures=["LlamaForCausalLM"], **_SHAPE,
                            attention_bias=True, rms_norm_eps=1e-5, rope_theta=500000.0,
                            tie_word_embeddings=False),
-        "llama", True, True, "llama-bpe", _LLAMA3_SPLIT,
+        LLAMA3_WRITER, _LLAMA3_SPLIT,
         ("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"),
         "<|begin_of_text|>", "<|eot_id|>", True, CHATML_TEMPLATE, ignore_merges=True),
 }
@@ -219,17 +233,18 @@ def _vocabulary(source: Path, vocab_size: int) -> tuple[list[str], list[int]]:
     return tokens, types
 
 
-def write_gguf(source: Path, path: Path, family: Family, *, arch: str | None = None,
+def write_gguf(source: Path, path: Path, writer: LlamaCppWriter, *, arch: str | None = None,
                types: dict[str, Any] | None = None) -> Path:
-    """``source`` written to ``path`` as llama.cpp writes ``family``, in float32; ``arch``
-    overrides the architecture, ``types`` gives some tensors a quantized type (gguf-py's)."""
+    """The model directory ``source`` written to ``path`` as ``writer`` says llama.cpp writes
+    it, in float32. ``arch`` overrides the architecture written; ``types`` gives tensors a
+    quantized type (by GGUF name): quantized by gguf-py, or zero blocks of a type it cannot
+    quantize (IQ*)."""
     import gguf
     from safetensors.numpy import load_file
 
     config = json.loads((source / "config.json").read_text())
-    arch = arch or family.gguf_arch
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(f"tiny {family.name}")
+    w = gguf.GGUFWriter(str(path), arch or writer.gguf_arch)
+    w.add_name(f"tiny {config['model_type']}")
     w.add_block_count(config["num_hidden_layers"])
     w.add_context_length(config["max_position_embeddings"])
     w.add_embedding_length(config["hidden_size"])
@@ -242,32 +257,36 @@ def write_gguf(source: Path, path: Path, family: Family, *, arch: str | None = N
         w.add_key_length(config["head_dim"])
         w.add_value_length(config["head_dim"])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    if family.llama_keys:
+    if writer.llama_keys:
         w.add_vocab_size(config["vocab_size"])
         w.add_rope_dimension_count(config.get("head_dim")
                                    or config["hidden_size"] // config["num_attention_heads"])
     tokens, token_types = _vocabulary(source, config["vocab_size"])
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(family.pre)
+    w.add_tokenizer_pre(writer.pre)
     w.add_token_list(tokens)
     w.add_token_types(token_types)
     gguf.SpecialVocab(source, load_merges=True).add_to_gguf(w, quiet=True)
 
-    arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == family.gguf_arch)
+    arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == writer.gguf_arch)
     names = gguf.get_tensor_name_map(arch_enum, config["num_hidden_layers"])
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     for hf_name, a in load_file(str(source / "model.safetensors")).items():
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf_name
-        if family.permute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        if writer.permute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             a = permute(a, heads)
-        elif family.permute_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif writer.permute_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             a = permute(a, kv_heads)
         qtype = (types or {}).get(name)
         if qtype is None:
             w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
         else:
-            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+            try:
+                data = gguf.quants.quantize(a, qtype)
+            except NotImplementedError:
+                data = np.zeros(gguf.quant_shape_to_byte_shape(a.shape, qtype), np.uint8)
+            w.add_tensor(name, data, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -284,64 +284,16 @@ def test_the_server_serves_it_with_mlx_lm_s_tokens_and_perplexity(
 
 
 def _tiny_llama_gguf(path: Path, *, arch: str = "llama", iq_tensor: bool = False) -> Path:
-    """The embedded tiny model written as llama.cpp writes a Llama GGUF: q/k rows permuted for
-    its interleaved RoPE, a byte-level (gpt2) vocabulary, float32 tensors."""
+    """The embedded tiny model written as llama.cpp writes a Llama 3 GGUF (q/k rows permuted
+    for its interleaved RoPE, a byte-level vocabulary); ``iq_tensor``: one IQ2_XXS tensor."""
     import gguf
-    import numpy as np
-    from safetensors.numpy import load_file
 
-    from engine.tiny_model import SPECIAL_TOKENS, build_tiny_model, tokenizer_json
+    from engine.tiny_model import build_tiny_model
+    from tests.engine.gguf_files import LLAMA3_WRITER, write_gguf
 
     tiny = build_tiny_model(path.parent / "tiny")
-    cfg = json.loads((tiny / "config.json").read_text())
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-
-    def permute(w: Any, n: int) -> Any:
-        return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg["rope_theta"])
-    vocab = tokenizer_json()["model"]["vocab"]
-    assert isinstance(vocab, dict)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("llama-bpe")
-    w.add_token_list([*sorted(vocab, key=vocab.__getitem__), *SPECIAL_TOKENS])
-    w.add_token_types([1] * len(vocab) + [3] * len(SPECIAL_TOKENS))
-    w.add_eos_token_id(len(vocab) + SPECIAL_TOKENS.index("<|im_end|>"))
-    w.add_add_bos_token(False)
-    glob = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-    part = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-            "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-            "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-            "post_attention_layernorm": "ffn_norm"}
-    for key, a in load_file(str(tiny / "model.safetensors")).items():
-        stem = key.removesuffix(".weight")
-        if stem in glob:
-            name = glob[stem] + ".weight"
-        else:
-            layer, rest = stem.removeprefix("model.layers.").split(".", 1)
-            name = f"blk.{layer}.{part[rest]}.weight"
-        if name.endswith("attn_q.weight"):
-            a = permute(a, heads)
-        elif name.endswith("attn_k.weight"):
-            a = permute(a, kv_heads)
-        if iq_tensor and name == "blk.0.ffn_down.weight":  # rows of 256: one IQ2_XXS block each
-            qtype = gguf.GGMLQuantizationType.IQ2_XXS
-            w.add_tensor(name, np.zeros((a.shape[0], gguf.GGML_QUANT_SIZES[qtype][1]), np.uint8),
-                         raw_dtype=qtype)
-            continue
-        w.add_tensor(name, np.ascontiguousarray(a))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    iq = {"blk.0.ffn_down.weight": gguf.GGMLQuantizationType.IQ2_XXS} if iq_tensor else None
+    write_gguf(tiny, path, LLAMA3_WRITER, arch=arch, types=iq)
     return tiny
 
 

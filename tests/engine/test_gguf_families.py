@@ -56,7 +56,7 @@ def converted(request: pytest.FixtureRequest, gguf_cache: Path,
     family = FAMILIES[request.param]
     root = tmp_path_factory.mktemp(family.name)
     source = source_model(family, root / "source")
-    gguf = write_gguf(source, root / f"{family.name}.gguf", family)
+    gguf = write_gguf(source, root / f"{family.name}.gguf", family.writer)
     return Converted(family, source, gguf, ensure_converted(gguf, dtype="float32", progress=lambda _: None))
 
 
@@ -87,7 +87,7 @@ def test_mlx_lm_reads_the_source_s_config_and_weights(converted: Converted) -> N
     assert _args(ours) == _args(source)
     assert ours["eos_token_id"] == [source["eos_token_id"]]
     assert json.loads((converted.converted / "mlx_headroom_gguf.json").read_text())["architecture"] \
-        == converted.family.gguf_arch
+        == converted.family.writer.gguf_arch
     expected = load_file(str(converted.source / "model.safetensors"))
     weights = load_file(str(converted.converted / "model.safetensors"))
     assert sorted(weights) == sorted(expected)
@@ -228,7 +228,7 @@ def test_an_unknown_architecture_is_refused_by_name_and_nothing_is_cached(
     from tests.conftest import ServerProcess
 
     family = FAMILIES["qwen2"]
-    path = write_gguf(source_model(family, tmp_path / "source"), tmp_path / "rwkv.gguf", family,
+    path = write_gguf(source_model(family, tmp_path / "source"), tmp_path / "rwkv.gguf", family.writer,
                       arch="rwkv6")
     listing = sorted(p.name for p in gguf_cache.iterdir())
     with pytest.raises(GGUFError, match=r"GGUF architecture 'rwkv6' cannot be converted "
