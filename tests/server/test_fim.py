@@ -228,3 +228,36 @@ def test_a_model_without_fim_tokens_refuses_suffix_and_keeps_serving(server):
             if line.startswith("data: {"):
                 text.append(json.loads(line[6:])["choices"][0]["text"])
     assert "".join(text) == alone["choices"][0]["text"]
+
+
+# openai-python's own "all params" completion request (tests/api_resources/test_completions.py),
+# which its suite sends to a mock server; `logit_bias` there is `{"foo": 0}`, which OpenAI's
+# API refuses ("Invalid key in 'logit_bias'"), as this server does: a token id here.
+SDK_ALL_PARAMS = {
+    "model": "gpt-3.5-turbo-instruct", "prompt": "This is a test.", "best_of": 0, "echo": True,
+    "frequency_penalty": -2, "logprobs": 0, "max_tokens": 16, "n": 1,
+    "presence_penalty": -2, "seed": 0, "stop": "\n",
+    "stream_options": {"include_obfuscation": True, "include_usage": True}, "suffix": "test.",
+    "temperature": 1, "top_p": 1, "user": "user-1234",
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_python_all_params_completion_is_served(fim_server, stream):
+    # Strict response validation where the SDK's type fits the wire: its `Completion` type
+    # for a stream's chunks wants a `finish_reason` that mid-stream chunks have as null,
+    # at OpenAI too.
+    client = OpenAI(base_url=fim_server.url + "/v1", api_key="x", _strict_response_validation=not stream)
+    body = {**SDK_ALL_PARAMS, "model": MODEL, "stream": stream}
+    refused = client.completions.with_raw_response.create
+    with pytest.raises(Exception) as bad:
+        refused(**{**body, "logit_bias": {"foo": 0}})
+    assert bad.value.status_code == 400 and bad.value.body["param"] == "logit_bias"
+    out = client.completions.create(**body, logit_bias={"0": 0})
+    if not stream:
+        text = out.choices[0].text
+        assert out.choices[0].logprobs is not None
+    else:
+        text = "".join(c.choices[0].text for c in out if c.choices)
+    assert text.startswith("This is a test.")  # echo: the prompt, then the middle
+    assert "test.test." not in text  # never the suffix
