@@ -151,17 +151,44 @@ def admit_load(settings: Settings, probe: Probe | None = None) -> LoadAdmission 
             "`mlx-headroom doctor` shows each probe. --force-load loads it unchecked.",
             EXIT_CANNOT_SIZE,
         ) from exc
+    draft = _draft_in_use(settings) if settings.draft_model else None
+    if draft is not None:  # it loads beside the model: the model must fit on top of it
+        snapshot = replace(snapshot, footprint_bytes=snapshot.footprint_bytes + draft[1])
     report = fit_for_settings(settings, spec, snapshot)
+    message = (draft[0] if draft else "") + report.message()
     if report.fits:
-        log.info("load admission: %s", report.message())
+        log.info("load admission: %s", message)
         return LoadAdmission(report, forced=False, checked=settings.memory_guard)
     if not settings.memory_guard:
-        log.warning("load admission (guard off, not enforced): %s", report.message())
+        log.warning("load admission (guard off, not enforced): %s", message)
         return LoadAdmission(report, forced=False, checked=False)
     if settings.force_load:
-        log.warning("--force-load: loading although the reserve is not met: %s", report.message())
+        log.warning("--force-load: loading although the reserve is not met: %s", message)
         return LoadAdmission(report, forced=True)
-    raise LoadRefused(report.message())
+    raise LoadRefused(message)
+
+
+def _draft_in_use(settings: Settings) -> tuple[str, int] | None:
+    """The draft model's weights and its KV for the load reserve, as bytes the model loads
+    beside, with the sentence that says so; None (and a warning) when it cannot be sized."""
+    from engine.model_spec import ModelSpecError
+    from memory.estimate import kv_cache_bytes
+
+    assert settings.draft_model is not None
+    try:
+        draft = read_spec(settings, settings.draft_model)
+    except ModelSpecError as exc:
+        log.warning("load admission does not count the draft model: cannot size it (%s)", exc)
+        return None
+    tokens = min(settings.load_reserve_tokens, draft.context_length)
+    kv = kv_cache_bytes(draft.geometry, tokens)
+    note = (f"with the draft model {settings.draft_model} (its weights {_mib(draft.weight_bytes)} and KV "
+            f"for {tokens} reserved tokens {_mib(kv)} counted as in use): ")
+    return note, draft.weight_bytes + kv
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 def fit_json(report: FitReport) -> dict[str, Any]:

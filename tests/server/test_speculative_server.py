@@ -50,3 +50,18 @@ def test_the_draft_model_method_needs_a_draft_model(tiny_model_path, capsys) -> 
 
     assert main(["serve", "--model", str(tiny_model_path), "--speculative", "draft-model"]) == 2
     assert "--speculative draft-model drafts from --draft-model" in capsys.readouterr().err
+
+
+def test_a_draft_model_that_does_not_fit_beside_the_model_stops_the_start(tiny_model_path, capsys) -> None:
+    """Under a ceiling that holds the model and its reserve but not a second copy of its
+    weights, the pair is refused at load (exit 4) with the draft's bytes in the numbers."""
+    from server.cli import main
+
+    weights = 2_629_120  # the tiny model's float32 weights
+    args = ["serve", "--model", str(tiny_model_path), "--memory-probe", "allocator",
+            "--reserve-context-tokens", "256", "--memory-tier", "custom",
+            "--memory-ceiling-bytes", str(2 * weights), "--port", "0"]
+    assert main([*args, "--draft-model", str(tiny_model_path)]) == 4
+    err = capsys.readouterr().err
+    assert f"with the draft model {tiny_model_path} (its weights 2.5 MiB and KV for 256 reserved " in err
+    assert "does not fit" in err
