@@ -165,6 +165,21 @@ def test_a_server_on_the_gguf_completes_as_mlx_lm_on_the_source(converted: Conve
     assert sorted(p.name for p in gguf_cache.iterdir()) == listing  # no second conversion
 
 
+def test_admission_sizes_the_gguf_from_its_header_as_from_its_conversion(
+        converted: Converted, gguf_cache: Path, tmp_path: Path) -> None:
+    from engine.model_spec import read_model_spec
+
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(converted.gguf.read_bytes() + b"\0" * 32)  # another hash: not converted
+    listing = sorted(p.name for p in gguf_cache.iterdir())
+    header, conversion = read_model_spec(str(copy)), read_model_spec(str(converted.gguf))
+    assert (header.weights_source, conversion.weights_source) == ("GGUF header", "safetensors headers")
+    assert header.weight_bytes == conversion.weight_bytes
+    assert header.geometry == conversion.geometry
+    assert header.context_length == conversion.context_length == 4096
+    assert sorted(p.name for p in gguf_cache.iterdir()) == listing
+
+
 def _q4_k_blocks(rng: np.random.Generator, n: int) -> tuple[bytes, np.ndarray]:
     """``n`` Q4_K blocks of random fields and the values they encode, from ggml's layout:
     a float16 ``d`` and ``dmin``, eight 6-bit scales and mins packed into 12 bytes, then 256
