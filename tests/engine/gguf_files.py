@@ -171,8 +171,9 @@ def _tokenizer_json(family: Family) -> dict[str, Any]:
     }
 
 
-def source_model(family: Family, directory: Path, *, seed: int = 0) -> Path:
-    """A tiny random mlx-lm model of ``family`` written to ``directory`` (float32)."""
+def source_model(family: Family, directory: Path, *, seed: int = 0, vocab_size: int | None = None) -> Path:
+    """A tiny random mlx-lm model of ``family`` written to ``directory`` (float32);
+    ``vocab_size``: embedding rows for a vocabulary other than the family's tokenizer."""
     import importlib
 
     import mlx.core as mx
@@ -181,8 +182,8 @@ def source_model(family: Family, directory: Path, *, seed: int = 0) -> Path:
 
     tokens = tokens_of(family)
     ids = {t: i for i, t in enumerate(tokens)}
-    config = {**family.config, "vocab_size": len(tokens) + family.padding, "torch_dtype": "float32",
-              "eos_token_id": ids[family.eos],
+    config = {**family.config, "vocab_size": vocab_size or len(tokens) + family.padding,
+              "torch_dtype": "float32", "eos_token_id": ids[family.eos],
               **{k: ids[v] for k, v in family.extra.items()}}
     model_type = MODEL_REMAPPING.get(config["model_type"], config["model_type"])
     module = importlib.import_module(f"mlx_lm.models.{model_type}")
@@ -233,12 +234,55 @@ def _vocabulary(source: Path, vocab_size: int) -> tuple[list[str], list[int]]:
     return tokens, types
 
 
+def train_sentencepiece(path: Path, lines: list[str], vocab_size: int = 400) -> Path:
+    """A SentencePiece BPE model trained as Mistral 7B's was set up (byte fallback, digits
+    split, whitespace kept, no normalization); ids 0-2 ``<unk>``, ``<s>``, ``</s>``, then the
+    control tokens ``[INST]`` and ``[/INST]``."""
+    import sentencepiece as spm
+
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_prefix=str(path.with_suffix("")), vocab_size=vocab_size,
+        model_type="bpe", byte_fallback=True, character_coverage=1.0, split_digits=True,
+        control_symbols=["[INST]", "[/INST]"], unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        allow_whitespace_only_pieces=True, remove_extra_whitespaces=False,
+        normalization_rule_name="identity", minloglevel=2)
+    return path.with_suffix(".model")
+
+
+def _sentencepiece_vocabulary(w: Any, model: Path, vocab_size: int) -> None:
+    """``TextModel._set_vocab_sentencepiece`` for a Mistral 7B: every piece with its score and
+    type (ids past the model's pieces ``[PAD<id>]``), BOS 1 added, EOS 2."""
+    import gguf
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    scores = [-10000.0] * vocab_size
+    types = [gguf.TokenType.UNUSED] * vocab_size
+    for i in range(min(sp.vocab_size(), vocab_size)):
+        tokens[i], scores[i] = sp.id_to_piece(i), sp.get_score(i)
+        types[i] = (gguf.TokenType.UNKNOWN if sp.is_unknown(i) else gguf.TokenType.CONTROL
+                    if sp.is_control(i) else gguf.TokenType.UNUSED if sp.is_unused(i)
+                    else gguf.TokenType.BYTE if sp.is_byte(i) else gguf.TokenType.NORMAL)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+
+
 def write_gguf(source: Path, path: Path, writer: LlamaCppWriter, *, arch: str | None = None,
-               types: dict[str, Any] | None = None) -> Path:
+               types: dict[str, Any] | None = None, sentencepiece: Path | None = None) -> Path:
     """The model directory ``source`` written to ``path`` as ``writer`` says llama.cpp writes
     it, in float32. ``arch`` overrides the architecture written; ``types`` gives tensors a
     quantized type (by GGUF name): quantized by gguf-py, or zero blocks of a type it cannot
-    quantize (IQ*)."""
+    quantize (IQ*); ``sentencepiece``: the vocabulary is that SentencePiece model's instead of
+    the source's tokenizer (as for Mistral 7B, whose embedding is sized to it)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -261,12 +305,15 @@ def write_gguf(source: Path, path: Path, writer: LlamaCppWriter, *, arch: str | 
         w.add_vocab_size(config["vocab_size"])
         w.add_rope_dimension_count(config.get("head_dim")
                                    or config["hidden_size"] // config["num_attention_heads"])
-    tokens, token_types = _vocabulary(source, config["vocab_size"])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(writer.pre)
-    w.add_token_list(tokens)
-    w.add_token_types(token_types)
-    gguf.SpecialVocab(source, load_merges=True).add_to_gguf(w, quiet=True)
+    if sentencepiece is not None:
+        _sentencepiece_vocabulary(w, sentencepiece, config["vocab_size"])
+    else:
+        tokens, token_types = _vocabulary(source, config["vocab_size"])
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(writer.pre)
+        w.add_token_list(tokens)
+        w.add_token_types(token_types)
+        gguf.SpecialVocab(source, load_merges=True).add_to_gguf(w, quiet=True)
 
     arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == writer.gguf_arch)
     names = gguf.get_tensor_name_map(arch_enum, config["num_hidden_layers"])

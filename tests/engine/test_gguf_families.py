@@ -180,6 +180,50 @@ def test_admission_sizes_the_gguf_from_its_header_as_from_its_conversion(
     assert sorted(p.name for p in gguf_cache.iterdir()) == listing
 
 
+CORPUS = (
+    "The history of the city begins in the first century, when a small settlement grew up on an "
+    "island in the middle of the river. Over the following centuries the town expanded onto both "
+    "banks, and by the Middle Ages it had become one of the largest cities in Europe. Its "
+    "university attracted students from many countries: 1,234 in 1250 and 56,789 by 1900.\n"
+    "    def f(x):\n        return x * 2\n\tcaf\u00e9, na\u00efve, \u00fcber, r\u00e9sum\u00e9."
+)
+SPM_TEXTS = (
+    "The city of the river", "hello  world", "  leading spaces", "trailing   ", "12345 and 3.14",
+    "caf\u00e9 na\u00efve", "\u65e5\u672c\u8a9e \U0001f642", "line\n\nbreak\ttab", "HeLLo WORLD",
+    "    def f(x):\n        return x * 2",
+)
+
+
+def test_a_mistral_7b_sentencepiece_vocabulary_tokenizes_as_sentencepiece(
+        gguf_cache: Path, tmp_path: Path) -> None:
+    """Mistral 7B's GGUFs carry a SentencePiece vocabulary (``tokenizer.ggml.model`` llama:
+    pieces, scores, types): the conversion's merges, rebuilt from the scores, give the ids the
+    SentencePiece library itself gives, after BOS; control tokens are matched whole."""
+    import sentencepiece as spm
+    from mlx_lm.utils import load_tokenizer
+
+    from tests.engine.gguf_files import MISTRAL_WRITER, train_sentencepiece
+
+    model = train_sentencepiece(tmp_path / "tokenizer.model", CORPUS.split("\n") * 4)
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+    family = FAMILIES["mistral"]
+    source = source_model(family, tmp_path / "source", vocab_size=sp.vocab_size())
+    path = write_gguf(source, tmp_path / "mistral-spm.gguf", MISTRAL_WRITER, sentencepiece=model)
+    tokenizer = load_tokenizer(ensure_converted(path, dtype="float32", progress=lambda _: None))
+    merged = 0
+    for text in SPM_TEXTS:
+        ids = sp.encode(text)
+        assert tokenizer.encode(text) == [1, *ids], text
+        assert tokenizer.decode(ids) == sp.decode(ids) == text, text
+        merged += len(ids) < len(text.encode())
+    assert merged >= 5  # the texts exercise the merges, not only byte fallback
+    # llama.cpp prefixes a space to text that follows a special token, as SentencePiece does
+    # to text at the start
+    inst, end = sp.piece_to_id("[INST]"), sp.piece_to_id("[/INST]")
+    assert tokenizer.encode("[INST] hi[/INST]") == [1, inst, *sp.encode(" hi"), end]
+    assert tokenizer.eos_token_ids == {2}
+
+
 def _q4_k_blocks(rng: np.random.Generator, n: int) -> tuple[bytes, np.ndarray]:
     """``n`` Q4_K blocks of random fields and the values they encode, from ggml's layout:
     a float16 ``d`` and ``dmin``, eight 6-bit scales and mins packed into 12 bytes, then 256
