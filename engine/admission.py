@@ -181,8 +181,10 @@ class Admission:
         return self.reservation_bytes([seq]) + self.chunk_prediction(seq, tokens)
 
     def reservation_bytes(self, seqs: Iterable[Sequence]) -> int:
-        """Each sequence's own prompt + max_tokens in whole blocks; never rows × longest."""
-        return sum(self.store.reservation_bytes(s.final_len) for s in seqs)
+        """Each sequence's own prompt + max_tokens, as the store holds them together: in the
+        paged store whole blocks each, never rows × longest; in mlx-lm's own caches what
+        each row's caches hold, plus the left padding their merged batch adds."""
+        return self.store.rows_reservation_bytes(s.final_len for s in seqs)
 
     def growth_bytes(self, seq: Sequence, *, exact: bool) -> int:
         return self.store.growth_bytes(seq.final_len, seq.shared, exact=exact)

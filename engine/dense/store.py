@@ -11,8 +11,10 @@ row (`UNPADDABLE`), keeps every request's own caches and steps its rows one at a
 Bytes. Nothing is allocated up front: a request's reservation is what its caches hold at
 most (`CacheLayout.bytes_for`: full layers in 256-token steps, window layers at most the
 window plus a prefill chunk, recurrent state at its fixed size), and `request_bytes` is
-what the caches hold now, read from their arrays (the merged batch is left-padded to its
-longest row, so it may hold more than its rows' own sizes).
+what the caches hold now, read from their arrays. The merged batch is left-padded to its
+longest row, so its full layers may hold more than its rows' own sizes: the requests'
+reservations together (`rows_reservation_bytes`) count every row at the longest's length
+there.
 
 Prefix caching: none yet. `hold_prefix` returns None, so nothing is ever shared and each
 request prefills its whole prompt.
@@ -20,11 +22,11 @@ request prefills its whole prompt.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.cache_layout import KV_STEP, CacheLayout
+from engine.cache_layout import FULL, KV_STEP, CacheLayout
 from engine.kv.store import KVStoreStats, SharedPrefix
 
 
@@ -74,9 +76,22 @@ class DenseStore:
         """What a request of `tokens` (prompt + max_tokens) holds at most."""
         return self.layout.bytes_for(tokens, self.chunk_tokens)
 
+    def rows_reservation_bytes(self, final_lens: Iterable[int]) -> int:
+        """What requests of these final lengths hold at most together: each its own
+        reservation, and where rows merge into the decode batch, the left padding that
+        lengthens every row's full layers to the longest row's tokens."""
+        lens = list(final_lens)
+        own = sum(self.reservation_bytes(n) for n in lens)
+        if not self.merges or len(lens) < 2:
+            return own
+        padded = sum(c.bytes_per_token for c in self.layout.layers if c.held_as == FULL)
+        return own + padded * sum(max(lens) - n for n in lens)
+
     def growth_bytes(self, tokens: int, shared: SharedPrefix | None = None, *, exact: bool = False) -> int:
-        """All of it is new: mlx-lm's caches allocate as they grow."""
-        return self.reservation_bytes(tokens)
+        """All of it is new (mlx-lm's caches allocate as they grow), and its row may lengthen
+        the batch's padding: what the requests held grows by that."""
+        held = [a.tokens for a in self.requests.values()]
+        return self.rows_reservation_bytes([*held, tokens]) - self.rows_reservation_bytes(held)
 
     # ---- requests --------------------------------------------------------------------
     def reserve(
@@ -147,7 +162,7 @@ class DenseStore:
 
     # ---- accounting ------------------------------------------------------------------
     def reserved_bytes(self) -> int:
-        return sum(self.reservation_bytes(a.tokens) for a in self.requests.values())
+        return self.rows_reservation_bytes(a.tokens for a in self.requests.values())
 
     def request_bytes(self) -> int:
         """What the requests' caches hold now, their arrays' bytes."""

@@ -26,6 +26,7 @@ copied once into a new one.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -166,6 +167,10 @@ class KVStore:
     def reservation_bytes(self, tokens: int) -> int:
         """What a request of `tokens` (prompt + max_tokens) reserves: whole blocks."""
         return self.blocks_for(tokens) * self.block_bytes
+
+    def rows_reservation_bytes(self, final_lens: Iterable[int]) -> int:
+        """What requests of these final lengths reserve together: each its own blocks."""
+        return sum(self.reservation_bytes(n) for n in final_lens)
 
     def growth_bytes(self, tokens: int, shared: SharedPrefix | None = None, *, exact: bool = False) -> int:
         """Bytes the device must newly give for `reserve(tokens, shared, exact=exact)`:

@@ -79,3 +79,36 @@ def test_a_long_request_is_reserved_and_load_admitted_at_what_its_caches_hold(
     slack = window_model.WINDOW_LAYERS * (STEP - 1) + window_model.FULL_LAYERS * 255
     assert peak_held <= reserved <= peak_held + slack * window_model.BYTES_PER_TOKEN_LAYER
     assert store.requests == {} and store.request_bytes() == 0
+
+
+def test_rows_of_unequal_lengths_are_reserved_with_the_padding_of_their_merged_batch(
+    make_engine: Callable[..., Harness], window_loaded: LoadedModel
+) -> None:
+    """A short request decoding beside a long one is left-padded to the long one's length
+    on the full layers of the merged batch: what the two hold together is more than their
+    own reservations, and admission counts it."""
+    h = make_engine(loaded=window_loaded, prefill_step_size=STEP, prefix_cache_bytes=0)
+    store = h.core.store
+    assert isinstance(store, DenseStore)
+    rng = random.Random(1)
+    shapes = {"short": (40, 300), "long": (1500, 100)}
+    for rid, (prompt, new) in shapes.items():
+        prompt_ids = tuple(rng.randrange(256) for _ in range(prompt))
+        h.submit(EngineRequest(rid, prompt_ids, new, SamplingParams(temperature=0.0)))
+    finals = [p + n for p, n in shapes.values()]
+    own = sum(window_model.reserved_kv_bytes(n, STEP) for n in finals)
+    padding = window_model.FULL_LAYERS * (max(finals) - min(finals)) * window_model.BYTES_PER_TOKEN_LAYER
+    peak_held = both_rows = 0
+    while len(h.out.finished) < 2:
+        h.step()
+        admitted = [*h.core.prefilling, *h.core.batch.seqs]
+        held = store.request_bytes()
+        assert held <= store.reserved_bytes() == h.core.admission.reservation_bytes(admitted)
+        assert h.core.stats.kv_reserved_bytes == store.reserved_bytes()
+        if len(store.rows) == 2:
+            both_rows += 1
+            assert store.reserved_bytes() == own + padding
+            peak_held = max(peak_held, held)
+    assert both_rows >= 50
+    assert peak_held > own  # the padding is real: their own reservations alone undercount
+    assert store.reserved_bytes() == 0
