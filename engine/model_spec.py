@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from engine.context import context_limits
+from engine.context import ContextLengthSettingError, context_limits
 from memory import ModelGeometry, geometry_from_config
 from memory.fit import ModelSpec
 from memory.weights import (
@@ -207,12 +207,13 @@ def _hub_spec(repo: str, name: str, context_length: int | None) -> ModelSpec:
     try:
         from huggingface_hub import snapshot_download
 
-        cached: Path | None = Path(snapshot_download(repo, local_files_only=True))
-        complete = cached is not None and _complete(cached)
+        cached = Path(snapshot_download(repo, local_files_only=True))
+        if _complete(cached):
+            return spec_from_directory(cached, name, context_length)
+    except ContextLengthSettingError:
+        raise  # the model is there: the context asked for is what cannot be served
     except Exception:  # not in the cache: read the headers over HTTP below
-        cached, complete = None, False
-    if cached is not None and complete:
-        return spec_from_directory(cached, name, context_length)
+        pass
     try:
         from huggingface_hub import get_safetensors_metadata, hf_hub_download
 

@@ -6,6 +6,7 @@ llama3 scaling (already stretched), Phi-3's longrope, a linear and a dynamic NTK
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -66,3 +67,24 @@ def test_a_scaled_rope_refuses_beyond_factor_times_original() -> None:
 def test_a_context_below_one_is_refused() -> None:
     with pytest.raises(ContextLengthSettingError, match="at least 1"):
         context_limits(PLAIN, 8192).served(0, model="tiny")
+
+
+def test_a_hub_model_in_the_cache_is_refused_without_falling_back_to_the_network(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """read_model_spec on a hub id found in the Hugging Face cache: a context its RoPE cannot
+    reach is the answer, not a reason to try the headers over HTTP (no network here)."""
+    import huggingface_hub.constants
+
+    from engine.model_spec import read_model_spec
+    from engine.tiny_model import build_tiny_model
+
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    build_tiny_model(repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert read_model_spec("acme/tiny", context_length=1024).context_length == 1024
+    with pytest.raises(ContextLengthSettingError, match="acme/tiny's context of 8192 tokens"):
+        read_model_spec("acme/tiny", context_length=8193)
