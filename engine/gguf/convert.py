@@ -4,11 +4,14 @@ The directory is keyed by the file's sha256 and the weights' dtype:
 ``<cache>/<sha256[:16]>-<dtype>/`` holds ``config.json``, ``model*.safetensors``,
 ``tokenizer.json``, ``tokenizer_config.json`` and ``generation_config.json``. It is built in a
 temporary sibling and renamed into place, so a crash or a refused file leaves nothing a later
-start would take for a finished conversion.
+start would take for a finished conversion. A conversion made by an older converter
+(``converter_version`` in ``mlx_headroom_gguf.json``) is not taken either: it may hold what a
+later fix changed (a tokenizer, a config field), so it is converted again and replaced.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -27,7 +30,7 @@ from engine.gguf.tokenizer import build_tokenizer, tokenizer_config
 
 log = logging.getLogger("mlx_headroom.engine")
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # raise it when a conversion's output changes: older ones are redone
 SHARD_BYTES = 2 * 2**30
 CACHE_ENV = "MLX_HEADROOM_GGUF_CACHE"
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -91,7 +94,22 @@ def converted_dir(sha256: str, dtype: str) -> Path:
 
 
 def is_converted(path: Path) -> bool:
-    return (path / "mlx_headroom_gguf.json").is_file()
+    """``path`` holds a complete conversion made by this converter version."""
+    try:
+        marker = json.loads((path / "mlx_headroom_gguf.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and marker.get("converter_version") == CONVERTER_VERSION
+
+
+def _replace(target: Path, new: Path) -> None:
+    """Rename ``new`` to ``target``, moving an older conversion there out of the way first."""
+    stale = target.with_name(f".{target.name}.stale-{os.getpid()}")
+    if target.exists() and not is_converted(target):
+        with contextlib.suppress(FileNotFoundError):  # another process moved it already
+            target.rename(stale)
+    new.rename(target)
+    shutil.rmtree(stale, ignore_errors=True)
 
 
 def find_gguf(model: str) -> Path | None:
@@ -128,7 +146,7 @@ def ensure_converted(gguf_path: Path, *, dtype: str, sha256: str | None = None,
         convert_gguf(open_gguf(gguf_path), tmp, dtype=dtype, sha256=sha256)
         tmp.chmod(0o755)  # mkdtemp made it private
         try:
-            tmp.rename(target)
+            _replace(target, tmp)
         except OSError:  # another process finished first
             if not is_converted(target):
                 raise

@@ -180,6 +180,35 @@ def test_admission_sizes_the_gguf_from_its_header_as_from_its_conversion(
     assert sorted(p.name for p in gguf_cache.iterdir()) == listing
 
 
+def test_a_conversion_by_an_older_converter_is_redone(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Llama with biases converted before biases were handled: mlx-lm refused the directory.
+    Its marker names the older converter, so the next start converts it again in its place."""
+    import mlx_lm
+
+    from engine.gguf.convert import CONVERTER_VERSION
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    family = FAMILIES["llama-bias"]
+    path = write_gguf(source_model(family, tmp_path / "source"), tmp_path / "f.gguf", family.writer)
+    target = ensure_converted(path, dtype="float32", progress=lambda _: None)
+    marker = json.loads((target / "mlx_headroom_gguf.json").read_text())
+    config = json.loads((target / "config.json").read_text())
+    del config["attention_bias"]
+    (target / "config.json").write_text(json.dumps(config))
+    (target / "mlx_headroom_gguf.json").write_text(json.dumps(marker | {"converter_version": 1}))
+    with pytest.raises(ValueError, match="parameters not in model"):
+        mlx_lm.load(str(target))
+
+    messages: list[str] = []
+    assert ensure_converted(path, dtype="float32", progress=messages.append) == target
+    assert any("converting" in m for m in messages)
+    marker = json.loads((target / "mlx_headroom_gguf.json").read_text())
+    assert marker["converter_version"] == CONVERTER_VERSION
+    mlx_lm.load(str(target))
+    assert [p.name for p in (tmp_path / "cache").iterdir() if p.is_dir()] == [target.name]
+
+
 CORPUS = (
     "The history of the city begins in the first century, when a small settlement grew up on an "
     "island in the middle of the river. Over the following centuries the town expanded onto both "
