@@ -100,10 +100,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-group-size", type=int, choices=[32, 64, 128],
                        help="values per scale and bias of quantized KV (default 64; must divide "
                        "the model's head_dim)")
-    serve.add_argument("--speculative", choices=["off", "prompt-lookup"],
+    serve.add_argument("--speculative", choices=["off", "prompt-lookup", "draft-model"],
                        help="speculative decoding, exact (greedy output unchanged, sampling from the "
                        "same distribution): prompt-lookup drafts from each request's own prompt and "
-                       "output (default off)")
+                       "output, draft-model from --draft-model (default off)")
+    serve.add_argument("--draft-model",
+                       help="a smaller model with the model's tokenizer whose greedy tokens are the "
+                       "drafts (a path, hub id or named model); implies --speculative draft-model")
     serve.add_argument("--num-speculative-tokens", type=int,
                        help="drafts per request and step, at most (default 4)")
     serve.add_argument("--speculative-max-rows", type=int,

@@ -30,7 +30,8 @@ def engine_config(settings: Settings) -> EngineConfig:
         kv_bits=settings.kv_bits,
         kv_group_size=settings.kv_group_size,
         speculative=SpeculativeConfig(settings.speculative, settings.num_speculative_tokens,
-                                      settings.speculative_max_rows),
+                                      settings.speculative_max_rows, draft_model=settings.draft_model,
+                                      draft_dtype=settings.dtype),
     )
 
 

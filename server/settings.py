@@ -121,9 +121,14 @@ class Settings(BaseSettings):
     kv_group_size: Literal[32, 64, 128] = Field(
         64, description="values per scale and bias of quantized KV; must divide the model's head_dim",
     )
-    speculative: Literal["off", "prompt-lookup"] = Field(
+    speculative: Literal["off", "prompt-lookup", "draft-model"] = Field(
         "off", description="speculative decoding: prompt-lookup drafts from each request's own prompt "
-        "and output, verified exactly while the batch is small (engine.speculative); off: none",
+        "and output, draft-model from --draft-model; verified exactly while the batch is small "
+        "(engine.speculative); off: none",
+    )
+    draft_model: str | None = Field(
+        None, description="a smaller model with the same tokenizer whose greedy tokens are the drafts "
+        "(a path, hub id or named model); implies --speculative draft-model",
     )
     num_speculative_tokens: int = Field(4, ge=1, le=64, description="drafts per request and step, at most")
     speculative_max_rows: int | None = Field(
@@ -258,6 +263,15 @@ class Settings(BaseSettings):
                 pairs[name.strip()] = served.strip()
             return pairs
         return value
+
+    @model_validator(mode="after")
+    def _draft_model_method(self) -> Settings:
+        if self.draft_model is not None and self.speculative == "off":
+            self.speculative = "draft-model"
+        if (self.speculative == "draft-model") != (self.draft_model is not None):
+            raise ValueError("--speculative draft-model drafts from --draft-model, and --draft-model "
+                             f"needs it (not {self.speculative!r})")
+        return self
 
     @model_validator(mode="after")
     def _step_budget_from_the_backend(self) -> Settings:
