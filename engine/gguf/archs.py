@@ -7,8 +7,10 @@ What llama.cpp's converter did that has to be undone, or hard-codes rather than 
   Sliding-window pattern 6 (five local layers to one global), local RoPE base 10,000 and the
   query scale 1/sqrt(head_dim) are not in the file.
 - llama: q and k (weights and biases) were permuted for llama.cpp's interleaved RoPE;
-  permuted back here. llama.cpp writes Mistral models (``MistralForCausalLM`` and Mistral's own
-  consolidated format) as ``llama`` too; ``mistral`` is kept for files written by other tools.
+  permuted back here. Llama 3.1+'s RoPE scaling is stored as ``rope_freqs.weight`` factors and
+  solved back into mlx-lm's parameters (``llama3_rope``). llama.cpp writes Mistral models
+  (``MistralForCausalLM`` and Mistral's own consolidated format) as ``llama`` too; ``mistral``
+  is kept for files written by other tools.
 - qwen2, qwen3: stored as Hugging Face has them (NeoX RoPE), biases on q/k/v for qwen2,
   ``attn_q_norm``/``attn_k_norm`` for qwen3.
 
@@ -25,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.gguf.llama3_rope import llama3_rope_scaling
 from engine.gguf.reader import GGUFError, GGUFFile
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -142,12 +145,20 @@ def _biases(g: GGUFFile) -> dict[str, bool]:
             "mlp_bias": "blk.0.ffn_up.bias" in g.tensors}
 
 
+def _llama_family_config(g: GGUFFile, model_type: str, architecture: str) -> dict[str, Any]:
+    config = _base_config(g, model_type) | _biases(g) | {"architectures": [architecture]}
+    if "rope_freqs.weight" in g.tensors:  # Llama 3.1+: llama3 RoPE scaling, stored as factors
+        dims = int(g.get("rope.dimension_count", config["head_dim"]))
+        config["rope_scaling"] = llama3_rope_scaling(g, config["rope_theta"], dims)
+    return config
+
+
 def _llama_config(g: GGUFFile) -> dict[str, Any]:
-    return _base_config(g, "llama") | _biases(g) | {"architectures": ["LlamaForCausalLM"]}
+    return _llama_family_config(g, "llama", "LlamaForCausalLM")
 
 
 def _mistral_config(g: GGUFFile) -> dict[str, Any]:
-    return _base_config(g, "mistral") | _biases(g) | {"architectures": ["MistralForCausalLM"]}
+    return _llama_family_config(g, "mistral", "MistralForCausalLM")
 
 
 def _qwen2_config(g: GGUFFile) -> dict[str, Any]:

@@ -170,9 +170,9 @@ def mlx_config(g: GGUFFile, dtype: str) -> dict[str, Any]:
 def weight_names(g: GGUFFile) -> dict[str, str]:
     """GGUF tensor name -> mlx-lm weight name, for every tensor the model keeps."""
     arch = architecture_of(g)
-    if "rope_freqs.weight" in g.tensors:
-        raise GGUFError(f"{g.path}: llama3-style RoPE frequency scaling (rope_freqs.weight) "
-                        "is not supported by the converter")
+    if "rope_freqs.weight" in g.tensors and "rope_freqs.weight" not in arch.skip:
+        raise GGUFError(f"{g.path}: RoPE frequency factors (rope_freqs.weight) are not supported "
+                        f"for {g.architecture} by the converter")
     return {name: arch.hf_name(name) for name in g.tensors if name not in arch.skip}
 
 

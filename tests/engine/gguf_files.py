@@ -117,6 +117,15 @@ FAMILIES: dict[str, Family] = {
         LLAMA3_WRITER, _LLAMA3_SPLIT,
         ("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"),
         "<|begin_of_text|>", "<|eot_id|>", True, CHATML_TEMPLATE, ignore_merges=True),
+    # Llama 3.2's RoPE scaling (llama.cpp stores it as rope_freqs.weight), head size 64 so that
+    # three frequencies fall between the bounds, as in Llama 3.2 1B
+    "llama3-rope": Family(
+        "llama3-rope", dict(model_type="llama", architectures=["LlamaForCausalLM"], **_SHAPE,
+                            head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+                            rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                              high_freq_factor=4.0, original_max_position_embeddings=8192)),
+        LLAMA3_WRITER, _LLAMA3_SPLIT, ("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"),
+        "<|begin_of_text|>", "<|eot_id|>", True, CHATML_TEMPLATE, ignore_merges=True),
 }
 
 
@@ -334,6 +343,12 @@ def write_gguf(source: Path, path: Path, writer: LlamaCppWriter, *, arch: str | 
             except NotImplementedError:
                 data = np.zeros(gguf.quant_shape_to_byte_shape(a.shape, qtype), np.uint8)
             w.add_tensor(name, data, raw_dtype=qtype)
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type") == "llama3":  # LlamaModel.generate_extra_tensors
+        from engine.gguf.llama3_rope import llama3_factors
+
+        dims = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        w.add_tensor("rope_freqs.weight", llama3_factors(scaling, config["rope_theta"], dims))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
