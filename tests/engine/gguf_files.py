@@ -86,6 +86,7 @@ class Family:
     ignore_merges: bool = False
     padding: int = 0  # embedding rows past the tokenizer's last id (Qwen pads its vocabulary)
     extra: dict[str, Any] = field(default_factory=dict)
+    user_tokens: tuple[str, ...] = ()  # added tokens that are not special (Qwen 3's <think>)
 
 
 _SHAPE = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=4,
@@ -102,7 +103,7 @@ FAMILIES: dict[str, Family] = {
                       rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False),
         QWEN3_WRITER, _QWEN2_SPLIT, ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
         None, "<|im_end|>", False, CHATML_TEMPLATE, nfc=True, padding=3,
-        extra={"bos_token_id": "<|endoftext|>"}),
+        extra={"bos_token_id": "<|endoftext|>"}, user_tokens=("<think>", "</think>")),
     "mistral": Family(
         "mistral", dict(model_type="mistral", architectures=["MistralForCausalLM"], **_SHAPE,
                         head_dim=16, rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None,
@@ -142,19 +143,19 @@ def _byte_chars() -> list[str]:
 
 
 def tokens_of(family: Family) -> list[str]:
-    """The tokenizer's tokens by id: the 256 bytes, the merged pieces, the special tokens."""
-    return [*_byte_chars(), *(a + b for a, b in MERGES), *family.specials]
+    """The tokenizer's tokens by id: the 256 bytes, the merged pieces, the added tokens."""
+    return [*_byte_chars(), *(a + b for a, b in MERGES), *family.specials, *family.user_tokens]
 
 
 def _tokenizer_json(family: Family) -> dict[str, Any]:
     tokens = tokens_of(family)
-    n_plain = len(tokens) - len(family.specials)
+    n_plain = len(tokens) - len(family.specials) - len(family.user_tokens)
     bos = [(family.bos, tokens.index(family.bos))] if family.add_bos and family.bos else []
     return {
         "version": "1.0", "truncation": None, "padding": None,
         "added_tokens": [
             {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-             "normalized": False, "special": True}
+             "normalized": False, "special": t in family.specials}
             for i, t in enumerate(tokens) if i >= n_plain
         ],
         "normalizer": {"type": "NFC"} if family.nfc else None,

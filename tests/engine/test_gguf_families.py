@@ -25,11 +25,12 @@ import numpy as np
 import pytest
 
 from engine.gguf import CACHE_ENV, GGUFError, ensure_converted, open_gguf
-from tests.engine.gguf_files import FAMILIES, Family, source_model, write_gguf
+from tests.engine.gguf_files import FAMILIES, Family, source_model, tokens_of, write_gguf
 
 TEXTS = (
     "hello the world", "the 123 and 12345 in HeLLo", "caf\u00e9 and cafe\u0301", "  two  spaces\n\nnew",
     "<|im_start|>user\nhi<|im_end|>", "[INST] x [/INST]", "<|begin_of_text|>y<|eot_id|>",
+    "<think>\nthe 123</think>\n\nhello",
 )
 PROMPTS = ("hello the world, in a tiny test", "the 123 HeLLo\n", "wait the wait")
 
@@ -105,6 +106,8 @@ def test_the_tokenizer_gives_the_source_s_ids_eos_and_chat_prompt(converted: Con
         ids = source.encode(text, add_special_tokens=False)
         assert ours.decode(ids) == source.decode(ids), text
     assert ours.eos_token_ids == source.eos_token_ids
+    for token in (*converted.family.specials, *converted.family.user_tokens):  # matched whole
+        assert ours.encode(token, add_special_tokens=False) == [tokens_of(converted.family).index(token)]
     chat = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "ok"},
             {"role": "user", "content": "and 123?"}]
     assert (ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
