@@ -314,6 +314,39 @@ def test_quantized_tensors_dequantize_to_the_values_their_blocks_encode(tmp_path
     assert np.array_equal(g.tensor("f16"), q8_source.astype(np.float16).astype(np.float32))
 
 
+def test_a_q8_0_mistral_converts_to_its_dequantized_weights(gguf_cache: Path, tmp_path: Path) -> None:
+    """Every matrix of the Mistral stored Q8_0 (as ``--outtype q8_0`` writes it): the conversion
+    holds gguf-py's dequantization of each, q/k rows permuted back after it."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    from tests.engine.gguf_files import permute
+
+    family = FAMILIES["mistral"]
+    source = source_model(family, tmp_path / "source")
+    weights = load_file(str(source / "model.safetensors"))
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, family.config["num_hidden_layers"])
+    quantized = {names.get_name(k, try_suffixes=(".weight",)): k for k, a in weights.items() if a.ndim == 2}
+    path = write_gguf(source, tmp_path / "q8.gguf", family.writer, types=dict.fromkeys(quantized, q8))
+    assert {t.type_name for t in open_gguf(path).tensors.values()} == {"Q8_0", "F32"}
+    converted = load_file(str(ensure_converted(path, dtype="float32", progress=lambda _: None)
+                              / "model.safetensors"))
+    heads, kv_heads = family.config["num_attention_heads"], family.config["num_key_value_heads"]
+    for name in quantized.values():
+        a = weights[name]
+        n = heads if "q_proj" in name else kv_heads if "k_proj" in name else 0
+        stored = gguf.quants.dequantize(gguf.quants.quantize(permute(a, n) if n else a, q8), q8)
+        expected = _permute_back(stored, n) if n else stored
+        assert np.array_equal(converted[name], expected), name
+        assert np.abs(converted[name] - a).max() <= np.abs(a).max() / 127 + 1e-7, name
+
+
+def _permute_back(a: np.ndarray, heads: int) -> np.ndarray:
+    """Hugging Face's row order from llama.cpp's (what the converter does, written again)."""
+    return a.reshape(heads, a.shape[0] // heads // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+
 def test_an_unknown_architecture_is_refused_by_name_and_nothing_is_cached(
         gguf_cache: Path, tmp_path: Path) -> None:
     from tests.conftest import ServerProcess
