@@ -1,12 +1,16 @@
-"""GGUF files of qwen2, qwen3, Mistral and a biased Llama convert to the model they came from.
+"""GGUF files of qwen2, qwen3, Mistral and Llama 3 convert to the model they came from.
 
-Each family's tiny random model is written as llama.cpp writes it (tests/engine/gguf_files.py)
-and converted by our converter. The checks: mlx-lm reads the same config fields from the
-conversion as from the source, the weights are equal, the tokenizer gives the same ids, EOS and
-chat prompt, mlx-lm's greedy tokens and logits are identical, and a real server started on the
-``.gguf`` file completes a prompt as mlx-lm does on the source, alone and batched. Also: the
-quantized tensor types dequantize to the values their blocks encode, and an architecture the
-converter does not know is refused by name with nothing cached.
+Each family's tiny random model (qwen2, qwen3, a Tekken Mistral, a Llama 3 with biases, a
+Llama 3.2 with llama3 RoPE scaling) is written as llama.cpp writes it
+(tests/engine/gguf_files.py) and converted by our converter. The checks: mlx-lm reads the same
+config fields from the conversion as from the source, the weights are equal, the tokenizer gives
+the same ids, EOS and chat prompt, mlx-lm's greedy tokens and logits are identical, a real
+server started on the ``.gguf`` file completes prompts as mlx-lm does on the source, alone and
+batched, and admission sizes the file from its header as from its conversion. Also: a Mistral
+7B SentencePiece vocabulary tokenizes as ``sentencepiece`` does, a Q8_0 model converts to its
+dequantized weights, Q8_0 and Q4_K blocks dequantize to the values they encode, a conversion by
+an older converter is redone, and an architecture the converter does not know is refused by
+name with nothing cached.
 """
 
 from __future__ import annotations
