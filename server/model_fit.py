@@ -155,7 +155,7 @@ def admit_load(settings: Settings, probe: Probe | None = None) -> LoadAdmission 
     if draft is not None:  # it loads beside the model: the model must fit on top of it
         snapshot = replace(snapshot, footprint_bytes=snapshot.footprint_bytes + draft[1])
     report = fit_for_settings(settings, spec, snapshot)
-    message = (draft[0] if draft else "") + report.message()
+    message = (draft[0] if draft else "") + report.message() + _context_advice(settings, report)
     if report.fits:
         log.info("load admission: %s", message)
         return LoadAdmission(report, forced=False, checked=settings.memory_guard)
@@ -166,6 +166,18 @@ def admit_load(settings: Settings, probe: Probe | None = None) -> LoadAdmission 
         log.warning("--force-load: loading although the reserve is not met: %s", message)
         return LoadAdmission(report, forced=True)
     raise LoadRefused(message)
+
+
+def _context_advice(settings: Settings, report: FitReport) -> str:
+    """When the reserve that does not fit is a --context-length's whole: the context that
+    would (its reserve then the same walk's longest admitted one)."""
+    context = settings.context_length
+    if report.fits or context is None or settings.reserve_context_tokens is not None:
+        return ""
+    if not 0 < report.max_reserve_tokens < context:
+        return ""
+    return (f" The reserve is the whole --context-length {context}; a context that fits: "
+            f"--context-length {report.max_reserve_tokens}.")
 
 
 def _draft_in_use(settings: Settings) -> tuple[str, int] | None:

@@ -8,6 +8,7 @@ config.json carries a yarn scaling of factor 2 over its 8192 positions (16384).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -135,7 +136,8 @@ def test_a_yarn_model_is_served_up_to_factor_times_original(yarn_model: Path, tm
 
 def test_a_raise_the_memory_ceiling_cannot_hold_is_refused_with_numbers(yarn_model: Path) -> None:
     """Load admission reserves KV for the whole raised context; on a 32 MB simulated machine
-    (the allocator probe) that does not fit, while a shorter reserve of the same context does."""
+    (the allocator probe) that does not fit, while the context the refusal suggests does, and
+    so does a shorter reserve of the same context."""
     ceiling = ["--memory-probe", "allocator", "--memory-tier", "custom",
                "--memory-ceiling-bytes", "32000000"]
     raised = ["--model", str(yarn_model), "--context-length", "16384", *ceiling]
@@ -145,6 +147,13 @@ def test_a_raise_the_memory_ceiling_cannot_hold_is_refused_with_numbers(yarn_mod
     assert "KV for 16384 reserved tokens 32.0 MiB" in out.stderr
     assert "the custom ceiling 30.5 MiB" in out.stderr
     assert "--reserve-context-tokens" in out.stderr  # what would fit
+    fitting = re.search(r"a context that fits: --context-length (\d+)\.", out.stderr)
+    assert fitting is not None, out.stderr
+    out = cli("doctor", "--json", "--model", str(yarn_model), "--context-length", fitting.group(1),
+              *ceiling)
+    model = json.loads(out.stdout)["model"]
+    assert model["context_length"] == int(fitting.group(1)) < 16384
+    assert model["fit"]["fits"] is True, model["fit"]["message"]  # the advice holds
     out = cli("doctor", "--json", *raised, "--reserve-context-tokens", "4096")
     model = json.loads(out.stdout)["model"]
     assert model["context_length"] == 16384
