@@ -17,7 +17,6 @@ from engine.context import context_limits
 from engine.fusion import fuse_projections as fuse
 from engine.kv import KVGeometry
 from engine.named_models import resolve_source
-from engine.quantized import flatten_quantized
 from memory import ModelGeometry
 
 log = logging.getLogger("mlx_headroom.engine")
@@ -115,6 +114,8 @@ def load_model(
     """Load ``model`` for serving; ``context_length``: serve it at that context instead of
     its own (lower, or higher where its RoPE scaling reaches; `engine.context`)."""
     import mlx_lm
+
+    from engine.quantized import flatten_quantized  # it subclasses mlx-lm's MoE layer: at use
 
     started = time.monotonic()
     if load_format == "dummy":

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 PREFILL_CHUNK = 512  # the draft's own prefill of a row's prompt, in pieces of this many tokens
 
@@ -58,6 +57,8 @@ class DraftModel:
             raise DraftModelError(
                 f"the draft model's tokenizer differs from the target's in {len(differ)} of "
                 f"{len(draft_vocab)} tokens (e.g. {differ[:3]!r}): drafts must be the target's token ids")
+        from mlx_lm.models.cache import make_prompt_cache  # mlx-lm loads transformers: at use
+
         kinds = sorted({type(c).__name__ for c in make_prompt_cache(model)})
         if kinds != ["KVCache"]:
             raise DraftModelError(f"the draft model's caches ({', '.join(kinds)}) cannot be trimmed "
@@ -65,6 +66,8 @@ class DraftModel:
 
     def propose(self, request_id: str, text: list[int], k: int) -> tuple[int, ...]:
         """`k` greedy tokens to follow `text` (the row's prompt, outputs and next input)."""
+        from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
         if k <= 0 or not text:
             return ()
         row = self._rows.get(request_id)
