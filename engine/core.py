@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from engine.admission import Admission, ChunkSample
 from engine.compiled_decode import CompiledDecode
-from engine.dense import DenseRunner, DenseStore
+from engine.dense import DensePrefixCache, DenseRunner, DenseStore
 from engine.device_errors import is_out_of_memory
 from engine.errors import EngineStepError, InsufficientMemoryError, MemoryProbeUnavailableError
 from engine.kv import KVGeometry, KVStore, install_attention_hook
@@ -223,9 +223,16 @@ class EngineCore:
             self.store, backend=loaded.backend,
             min_chunk_tokens=config.min_chunk_tokens, weight_bytes=loaded.weight_bytes,
         )
-        self.prefix_cache = PrefixCache(
-            self.store, max_bytes=config.prefix_cache_bytes, min_hit_tokens=self.store.block_size,
-        )
+        self.prefix_cache: PrefixCache | DensePrefixCache
+        if isinstance(self.store, DenseStore):  # snapshots of mlx-lm's caches (engine.dense.prefix)
+            self.prefix_cache = DensePrefixCache(
+                self.store.block_size, checkpoint_tokens=config.prefill_step_size,
+                max_bytes=config.prefix_cache_bytes,  # any snapshot hit saves its prefill
+            )
+        else:
+            self.prefix_cache = PrefixCache(
+                self.store, max_bytes=config.prefix_cache_bytes, min_hit_tokens=self.store.block_size,
+            )
         self._prefix_budget = 0  # what the cache may hold now (the last upkeep's room)
         if config.prefix_cache_dir and isinstance(self.store, KVStore) and config.prefix_cache_bytes != 0:
             self.prefix_cache.disk = open_disk_tier(config.prefix_cache_dir, config.prefix_cache_disk_bytes,
@@ -233,7 +240,8 @@ class EngineCore:
             self.prefix_cache.prefill_rate = self._prefill_rate
         self.batch: Runner | DenseRunner
         if isinstance(self.store, DenseStore):
-            self.batch = DenseRunner(self.model, self.store)
+            checkpoints = self.prefix_cache if isinstance(self.prefix_cache, DensePrefixCache) else None
+            self.batch = DenseRunner(self.model, self.store, checkpoints)
         else:
             overlap = on_cuda_by_default(config.decode_overlap, loaded.backend)
             compiled = None

@@ -21,6 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.dense.prefix import DensePrefixCache
 from engine.dense.store import DenseStore
 from engine.prompt_scoring import score_chunk
 from engine.runner import StepToken, _read_logprobs
@@ -33,9 +34,10 @@ class DenseRunner:
     slice_choice = None
     slice_decode = False
 
-    def __init__(self, model: Any, store: DenseStore) -> None:
+    def __init__(self, model: Any, store: DenseStore, prefix: DensePrefixCache | None = None) -> None:
         self.model = model
         self.store = store
+        self.prefix = prefix  # where checkpoints taken during prefill go
         self.seqs: list[Sequence] = []  # the batch; rows [0, len(pending)) have a token in flight
         self.pending: SampledStep | None = None
         self.fresh: list[int] = []  # last prompt token of each row that joined since the last step
@@ -56,27 +58,43 @@ class DenseRunner:
     def prefill(self, chunks: Seq[tuple[Sequence, int]]) -> int:
         """Run each request's next `tokens` prompt tokens into its own caches, one request
         per model call (a request scoring its prompt reads the call's logits, as in the
-        paged runner). Returns the number of model calls made."""
+        paged runner). A chunk that crosses a checkpoint boundary of the prefix cache
+        (`engine.dense.prefix`) runs as two calls, and the caches are snapshotted between
+        them. Returns the number of model calls made."""
+        calls = 0
         for seq, tokens in chunks:
-            alloc = self.store.get(seq.request_id)
-            start = alloc.length
-            caches = alloc.caches
-            assert caches is not None, "a request that joined the batch does not prefill"
-            prompt = seq.request.prompt_tokens
-            logits = self.model(mx.array(prompt[start : start + tokens])[None], cache=caches)
-            started = time.perf_counter()
-            # The queued decode step runs first anyway (one stream): waiting for it here
-            # keeps its time out of the prefill's, which the step budget measures.
-            self.settle()
-            if seq.scores_prompt:  # logits at position j: the logprob of prompt token j + 1
-                following = prompt[start + 1 : start + 1 + tokens]
-                seq.prompt_logprobs.extend(
-                    score_chunk(logits[0], following, seq.request.prompt_logprobs or 0)
-                )
-            mx.eval([c.state for c in caches])
-            self.prefill_wait_s += time.perf_counter() - started
-            self.store.advance(seq.request_id, tokens)
-        return len(chunks)
+            start = self.store.get(seq.request_id).length
+            end = start + tokens
+            while start < end:  # a chunk ends on each checkpoint boundary it crosses
+                cut = None if self.prefix is None else self.prefix.checkpoint_at(start, end)
+                stop = end if cut is None else cut
+                self._prefill_piece(seq, start, stop - start)
+                calls += 1
+                start = stop
+                # (the prompt's end is snapshotted when the request joins the batch)
+                if self.prefix is not None and self.prefix.is_checkpoint(stop) and stop < seq.prompt_len - 1:
+                    hold = self.store.hold_prefix(seq.request_id, stop)
+                    if hold is not None:
+                        self.prefix.insert(seq.request.prompt_tokens[:stop], hold)
+        return calls
+
+    def _prefill_piece(self, seq: Sequence, start: int, tokens: int) -> None:
+        caches = self.store.get(seq.request_id).caches
+        assert caches is not None, "a request that joined the batch does not prefill"
+        prompt = seq.request.prompt_tokens
+        logits = self.model(mx.array(prompt[start : start + tokens])[None], cache=caches)
+        started = time.perf_counter()
+        # The queued decode step runs first anyway (one stream): waiting for it here
+        # keeps its time out of the prefill's, which the step budget measures.
+        self.settle()
+        if seq.scores_prompt:  # logits at position j: the logprob of prompt token j + 1
+            following = prompt[start + 1 : start + 1 + tokens]
+            seq.prompt_logprobs.extend(
+                score_chunk(logits[0], following, seq.request.prompt_logprobs or 0)
+            )
+        mx.eval([c.state for c in caches])
+        self.prefill_wait_s += time.perf_counter() - started
+        self.store.advance(seq.request_id, tokens)
 
     def settle(self) -> None:
         """Let the queued decode step finish."""

@@ -16,8 +16,10 @@ longest row, so its full layers may hold more than its rows' own sizes: the requ
 reservations together (`rows_reservation_bytes`) count every row at the longest's length
 there.
 
-Prefix caching: none yet. `hold_prefix` returns None, so nothing is ever shared and each
-request prefills its whole prompt.
+Prefix caching (`engine.dense.prefix`): `hold_prefix` snapshots a request's caches when
+they hold exactly the tokens asked for (a row that left the batch keeps its extracted
+caches until it is released, so its prompt and answer can be kept), and a reservation
+that a snapshot serves resumes from a copy of it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.cache_layout import FULL, KV_STEP, CacheLayout
+from engine.dense.prefix import Snapshot, restore, take_snapshot
 from engine.kv.store import KVStoreStats, SharedPrefix
 
 
@@ -101,7 +104,10 @@ class DenseStore:
             raise ValueError(f"request {request_id} already holds KV")
         from mlx_lm.models.cache import make_prompt_cache
 
-        alloc = DenseAllocation(request_id, tokens, make_prompt_cache(self.model))
+        if isinstance(shared, Snapshot):
+            alloc = DenseAllocation(request_id, tokens, restore(shared), length=shared.tokens)
+        else:
+            alloc = DenseAllocation(request_id, tokens, make_prompt_cache(self.model))
         self.requests[request_id] = alloc
         return alloc
 
@@ -141,6 +147,10 @@ class DenseStore:
         keep = [i for i, r in enumerate(self.rows) if r not in gone]
         if len(keep) == len(self.rows):
             return
+        if self.batch is not None:  # the rows' own caches, for `hold_prefix` until released
+            for i, r in enumerate(self.rows):
+                if r in gone and r in self.requests:
+                    self.requests[r].caches = _extract_row(self.batch, i)
         self.rows = [self.rows[i] for i in keep]
         for r in request_ids:
             if r in self.requests:
@@ -153,9 +163,14 @@ class DenseStore:
         for c in self.batch:
             c.filter(keep)
 
-    # ---- the prefix cache's holds: none ----------------------------------------------
+    # ---- the prefix cache's holds: snapshots ------------------------------------------
     def hold_prefix(self, request_id: str, tokens: int) -> SharedPrefix | None:
-        return None
+        """A snapshot of the request's caches, when they hold exactly `tokens` tokens (none
+        of these caches can be cut back to fewer)."""
+        alloc = self.requests.get(request_id)
+        if alloc is None or alloc.caches is None or alloc.length != tokens or tokens <= 0:
+            return None
+        return take_snapshot(alloc.caches, tokens)
 
     def drop_prefix(self, prefix: SharedPrefix) -> None:
         return None
@@ -215,3 +230,13 @@ def _leaves(caches: list[Any]) -> Iterator[Any]:
             yield from _leaves(list(c.caches))
         else:
             yield c
+
+
+def _extract_row(batch: list[Any], row: int) -> list[Any] | None:
+    """Row `row`'s own caches out of the merged batch; None when a layer's cache was never
+    written (nemotron-nas's no-op attention layers: mlx-lm's `extract` cannot cut keys that
+    do not exist), and then the row leaves no snapshot."""
+    try:
+        return [c.extract(row) for c in batch]
+    except TypeError:
+        return None
