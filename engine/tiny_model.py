@@ -81,19 +81,21 @@ def default_model_path(shape: TinyModelShape = TinyModelShape()) -> Path:
     return default_cache_dir() / f"tiny-chat-v{BUILD_VERSION}-s{shape.seed}-h{shape.hidden_size}"
 
 
-def _byte_vocab() -> dict[str, int]:
-    # GPT-2's byte-to-unicode table: ByteLevel pre-tokenisation maps each byte to one of
-    # these printable characters, so a BPE with no merges is exactly a byte tokenizer.
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(
-        range(0xAE, 0x100)
-    )
+def byte_chars() -> list[str]:
+    """GPT-2's byte-to-unicode table, by byte: ByteLevel pre-tokenisation maps each byte to
+    one of these printable characters, so a BPE with no merges is exactly a byte tokenizer."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     chars = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):
         if b not in chars:
             chars[b] = chr(256 + extra)
             extra += 1
-    return {chars[b]: b for b in range(256)}
+    return [chars[b] for b in range(256)]
+
+
+def _byte_vocab() -> dict[str, int]:
+    return {c: b for b, c in enumerate(byte_chars())}
 
 
 def tokenizer_json() -> dict[str, object]:

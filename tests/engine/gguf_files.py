@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from engine.tiny_model import CHAT_TEMPLATE as CHATML_TEMPLATE
+from engine.tiny_model import byte_chars
 
 _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -130,21 +131,9 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def _byte_chars() -> list[str]:
-    """GPT-2's byte-to-unicode table, by byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    chars = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
-
-
 def tokens_of(family: Family) -> list[str]:
     """The tokenizer's tokens by id: the 256 bytes, the merged pieces, the added tokens."""
-    return [*_byte_chars(), *(a + b for a, b in MERGES), *family.specials, *family.user_tokens]
+    return [*byte_chars(), *(a + b for a, b in MERGES), *family.specials, *family.user_tokens]
 
 
 def _tokenizer_json(family: Family) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
-from engine import EngineRequest, LoadedModel, RequestOutput, SamplingParams, TokenLogprob
+from engine import EngineRequest, RequestOutput, SamplingParams, TokenLogprob
 from engine.cache_layout import geometry_for, probe_cache_layout
 from engine.dense import DenseStore
 from engine.kv import KVStore
@@ -31,14 +31,6 @@ from tests.engine.conftest import Harness
 
 STEP = 32  # prefill chunk: prompts longer than it run in several chunks
 SHAPES = [(37, 20), (5, 25), (90, 12), (1, 18)]  # (prompt tokens, new tokens)
-
-
-def _loaded(name: str) -> LoadedModel:
-    model = tiny_archs.build(name)
-    layout = probe_cache_layout(model, weights_loaded=True)
-    return LoadedModel(model=model, tokenizer=None, model_id=name, path="",
-                       geometry=geometry_for(model, layout), backend="cpu",
-                       context_length=4096, weight_bytes=0, layout=layout)
 
 
 def _prompts(seed: int = 1) -> list[list[int]]:
@@ -63,7 +55,7 @@ def _run(h: Harness, requests: list[EngineRequest]) -> None:
 def test_greedy_output_equals_mlx_lm_alone_and_batched(
     name: str, make_engine: Callable[..., Harness]
 ) -> None:
-    loaded = _loaded(name)
+    loaded = tiny_archs.loaded(name)
     prompts = _prompts()
     expected = [_reference(loaded.model, p, n) for p, (_, n) in zip(prompts, SHAPES, strict=True)]
     requests = [
@@ -87,7 +79,7 @@ def test_a_model_without_the_usual_config_keys_is_sized_from_its_caches(
     make_engine: Callable[..., Harness],
 ) -> None:
     """gpt2's config names its heads n_head: the probe sizes it, and the paged store serves it."""
-    loaded = _loaded("gpt2")
+    loaded = tiny_archs.loaded("gpt2")
     assert loaded.geometry.num_kv_heads == 4 and loaded.geometry.head_dim == 16
     h = make_engine(loaded=loaded, prefill_step_size=STEP, prefix_cache_bytes=0)
     assert isinstance(h.core.store, KVStore)
@@ -113,7 +105,7 @@ def test_mla_is_counted_at_its_latent_size() -> None:
 def test_a_long_request_holds_window_sized_kv_on_sliding_layers(
     make_engine: Callable[..., Harness],
 ) -> None:
-    loaded = _loaded("gemma3_text")
+    loaded = tiny_archs.loaded("gemma3_text")
     layout = loaded.cache_layout()
     window = tiny_archs.CONFIGS["gemma3_text"]["sliding_window"]
     kinds = layout.kinds()
@@ -151,7 +143,7 @@ def test_a_long_request_holds_window_sized_kv_on_sliding_layers(
 def test_prompt_logprobs_on_the_dense_path_equal_mlx_lms_forward(
     make_engine: Callable[..., Harness],
 ) -> None:
-    loaded = _loaded("gemma3_text")  # 70 tokens: past the 16-token window, in three chunks
+    loaded = tiny_archs.loaded("gemma3_text")  # 70 tokens: past the 16-token window, in three chunks
     prompt = tuple(_prompts(seed=4)[2][:70])
     logits = loaded.model(mx.array(prompt)[None])[0]
     reference = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))

@@ -16,8 +16,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from engine import EngineRequest, LoadedModel, SamplingParams
-from engine.cache_layout import geometry_for, probe_cache_layout
+from engine import EngineRequest, SamplingParams
 from engine.dense import DensePrefixCache, DenseStore
 from memory import MemoryGuard
 from memory.ceiling import Tier
@@ -28,14 +27,6 @@ from tests.engine.conftest import Harness
 STEP = 64  # prefill chunk, and the checkpoint interval
 GREEDY = SamplingParams(temperature=0.0)
 ARCHS = ["qwen3_next", "lfm2", "gemma3_text"]
-
-
-def _loaded(name: str) -> LoadedModel:
-    model = tiny_archs.build(name)
-    layout = probe_cache_layout(model, weights_loaded=True)
-    return LoadedModel(model=model, tokenizer=None, model_id=name, path="",
-                       geometry=geometry_for(model, layout), backend="cpu",
-                       context_length=4096, weight_bytes=0, layout=layout)
 
 
 def _tokens(seed: int, n: int) -> tuple[int, ...]:
@@ -62,7 +53,7 @@ def _run(h: Harness, requests: list[EngineRequest]) -> int:
 def test_a_shared_long_prefix_resumes_from_a_checkpoint_alone_and_batched(
     name: str, make_engine: Callable[..., Harness]
 ) -> None:
-    loaded = _loaded(name)
+    loaded = tiny_archs.loaded(name)
     h = make_engine(loaded=loaded, prefill_step_size=STEP)
     assert isinstance(h.core.store, DenseStore) and isinstance(h.core.prefix_cache, DensePrefixCache)
     first = _tokens(1, 300)
@@ -110,7 +101,7 @@ def test_an_agent_conversation_resumes_from_the_whole_previous_turn(
 ) -> None:
     """Each turn sends the previous prompt, the model's answer and new text: the snapshot
     taken when the previous turn ended holds all of it, so only the new text is prefilled."""
-    loaded = _loaded(name)
+    loaded = tiny_archs.loaded(name)
     h = make_engine(loaded=loaded, prefill_step_size=STEP)
     tokens = _tokens(10, 90)
     previous = 0
@@ -126,7 +117,7 @@ def test_an_agent_conversation_resumes_from_the_whole_previous_turn(
 
 
 def test_no_snapshot_is_kept_when_the_prefix_cache_is_off(make_engine: Callable[..., Harness]) -> None:
-    loaded = _loaded("qwen3_next")
+    loaded = tiny_archs.loaded("qwen3_next")
     h = make_engine(loaded=loaded, prefill_step_size=STEP, prefix_cache_bytes=0)
     prompt = _tokens(1, 200)
     _run(h, [EngineRequest("a", prompt, 4, GREEDY)])
@@ -136,7 +127,7 @@ def test_no_snapshot_is_kept_when_the_prefix_cache_is_off(make_engine: Callable[
 
 def test_snapshot_bytes_are_what_their_arrays_hold(make_engine: Callable[..., Harness]) -> None:
     """A snapshot keeps the written part of each cache, in arrays of its own."""
-    loaded = _loaded("qwen3_next")
+    loaded = tiny_archs.loaded("qwen3_next")
     h = make_engine(loaded=loaded, prefill_step_size=STEP)
     gc.collect()
     mx.clear_cache()
@@ -162,7 +153,7 @@ def _guard(ceiling: int) -> MemoryGuard:
 def test_admission_evicts_snapshots_before_a_request_waits(make_engine: Callable[..., Harness]) -> None:
     """Snapshots fill the room under the ceiling; a long request that fits on an idle server
     is admitted by evicting them (least recently used first), not made to wait or refused."""
-    loaded = _loaded("qwen3_next")
+    loaded = tiny_archs.loaded("qwen3_next")
     gc.collect()
     mx.clear_cache()
     guard = _guard(1 << 40)

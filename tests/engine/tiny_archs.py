@@ -867,3 +867,15 @@ def build(name: str, *, evaluate: bool = True, seed: int = 0) -> Any:
 
 def _float32(p: mx.array) -> mx.array:
     return p.astype(mx.float32) * 1.0 if mx.issubdtype(p.dtype, mx.floating) else p
+
+
+def loaded(name: str) -> Any:
+    """The tiny model `name` as the engine's LoadedModel (no tokenizer, CPU, its caches probed)."""
+    from engine import LoadedModel
+    from engine.cache_layout import geometry_for, probe_cache_layout
+
+    model = build(name)
+    layout = probe_cache_layout(model, weights_loaded=True)
+    return LoadedModel(model=model, tokenizer=None, model_id=name, path="",
+                       geometry=geometry_for(model, layout), backend="cpu",
+                       context_length=4096, weight_bytes=0, layout=layout)
