@@ -84,10 +84,10 @@ def test_a_group_size_that_does_not_divide_head_dim_is_refused() -> None:
 
 
 def test_a_model_the_store_does_not_serve_refuses_quantized_kv(make_engine) -> None:
-    from tests.engine.test_dense_path import _loaded
+    from tests.engine.tiny_archs import loaded
 
     with pytest.raises(ValueError, match="quantized KV needs the paged KV store"):
-        make_engine(loaded=_loaded("gemma3_text"), kv_bits=8, kv_group_size=GROUP)
+        make_engine(loaded=loaded("gemma3_text"), kv_bits=8, kv_group_size=GROUP)
 
 
 def test_quantized_writes_happen_in_place() -> None:
