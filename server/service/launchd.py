@@ -112,6 +112,19 @@ def domain(ctx: Context) -> tuple[str, str]:
     return f"user/{uid}", "no GUI login session for this user (e.g. over SSH)"
 
 
+def job_domain(ctx: Context) -> tuple[str, str]:
+    """The domain an installed job is loaded in, for uninstall and status: a job installed
+    over SSH sits in `user/<uid>` though the user may since have logged in at the screen (and
+    the other way round), so both are asked before falling back to `domain`'s choice."""
+    if ctx.domain or ctx.system:
+        return domain(ctx)
+    uid = os.getuid()
+    for where in (f"gui/{uid}", f"user/{uid}"):
+        if _loaded(ctx, f"{where}/{LABEL}"):
+            return where, "the job is loaded there"
+    return domain(ctx)
+
+
 def _loaded(ctx: Context, target: str) -> bool:
     return ctx.tool(["launchctl", "print", target]).returncode == 0
 
@@ -183,7 +196,7 @@ def uninstall(ctx: Context) -> int:
               f"# would remove {p.config_file} and {p.env_file}")
         print("# dry run: nothing was removed or run")
         return 0
-    where, why = domain(ctx)
+    where, why = job_domain(ctx)
     print(f"launchd domain: {where} ({why})")
     target = f"{where}/{LABEL}"
     result = run(["launchctl", "bootout", target], check=False, tool=ctx.tool)
@@ -210,7 +223,7 @@ def status(ctx: Context) -> int:
         print(f"not installed ({p.config_file} does not exist)")
         return 3
     args = plistlib.loads(p.config_file.read_bytes()).get("ProgramArguments", [])
-    where, why = domain(ctx)
+    where, why = job_domain(ctx)
     target = f"{where}/{LABEL}"
     result = run(["launchctl", "print", target], check=False, tool=ctx.tool)
     assert p.log_dir is not None

@@ -36,6 +36,7 @@ class Launchctl:
         self.print_text = print_text
         self.calls: list[str] = []
         self._lingering: int | None = None
+        self.where: str | None = None  # the domain bootstrapped into; None: any (preloaded)
 
     def __call__(self, cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
         assert cmd[0] == "launchctl"
@@ -49,9 +50,9 @@ class Launchctl:
                     self.loaded, self._lingering = False, None
                 else:
                     self._lingering -= 1
-            return self._answer(0, self.print_text) if self.loaded else self._answer(113, NO_SERVICE)
+            return self._answer(0, self.print_text) if self._here(target) else self._answer(113, NO_SERVICE)
         if verb == "bootout":
-            if not self.loaded:
+            if not self._here(target):
                 return self._answer(3, "Boot-out failed: 3: No such process")
             if self.bootout_fails:
                 return self._answer(1, "Boot-out failed: 1: Operation not permitted")
@@ -61,9 +62,12 @@ class Launchctl:
             if self.bootstrap_eio > 0:
                 self.bootstrap_eio -= 1
                 return self._answer(5, EIO)
-            self.loaded = True
+            self.loaded, self.where = True, target
             return self._answer(0, "")
         raise AssertionError(cmd)
+
+    def _here(self, target: str) -> bool:
+        return self.loaded and (self.where is None or target.startswith(self.where + "/"))
 
     @staticmethod
     def _answer(rc: int, text: str) -> subprocess.CompletedProcess[str]:
@@ -163,6 +167,20 @@ def test_uninstall_keeps_the_files_when_the_job_stays_loaded(tmp_path, capsys):
     assert p.config_file.exists() and p.env_file.exists()
     out = capsys.readouterr().out
     assert "Operation not permitted" in out and f"Run `launchctl bootout {GUI}/{LABEL}`" in out
+
+
+def test_uninstall_and_status_find_the_job_in_the_domain_it_was_installed_in(tmp_path, capsys):
+    """Installed over SSH (user/), then uninstalled from a GUI login: the job is booted out
+    of user/, not looked for in gui/ while its plist is deleted."""
+    tool, clock = Launchctl(gui=False), Clock()
+    _, ctx = install(tmp_path, tool, clock)
+    tool.gui = True
+    capsys.readouterr()
+    assert launchd.status(ctx) == 0
+    assert f"loaded: yes ({USER}/{LABEL})" in capsys.readouterr().out
+    assert launchd.uninstall(ctx) == 0
+    assert f"bootout {USER}/{LABEL}" in tool.calls and not tool.loaded
+    assert f"launchd domain: {USER} (the job is loaded there)" in capsys.readouterr().out
 
 
 def test_uninstall_removes_the_files_once_the_job_is_gone(tmp_path):
