@@ -83,22 +83,14 @@ def prepare(
     top_logprobs: int,
     new_processor: Callable[[], LogitsProcessor | None] = _no_processor,
     prompt_param: str = "messages",
-    clamp_to_cap: bool = False,
 ) -> Prepared:
     """Validate lengths against the context and build the sampling parameters.
 
     `max_tokens` is a ceiling: clamped to the room the prompt leaves in the context (agents
     ask for 32k output tokens whatever the model), and logged; `Prepared.headers` says so
-    to the client. Refused are only a prompt that leaves no room, and a `max_tokens` above
-    the operator's cap, unless `clamp_to_cap` (Anthropic's API, where `max_tokens` is
-    required and clients send their own ceiling)."""
+    to the client; so is the operator's cap. Refused is only a prompt that leaves no room."""
     room = context_length - len(prompt_tokens)
     requested = body.requested_max_tokens
-    if requested is not None and requested > max_tokens_cap and not clamp_to_cap:
-        raise BadRequest(
-            f"max_tokens is {requested}, above this server's cap of {max_tokens_cap}",
-            code="max_tokens_too_large", param="max_tokens",
-        )
     if room < 1:
         raise BadRequest(
             f"This model's maximum context length is {context_length} tokens, and the prompt "

@@ -97,7 +97,6 @@ def _start(state: ServerState, body: MessagesRequest, plan: ChatPlan) -> Generat
         logprobs=False,
         top_logprobs=0,
         new_processor=plan.new_processor,
-        clamp_to_cap=True,
     )
     return Generation(state.engine, state.tokenizer, prepared,
                       timeout_s=state.settings.request_timeout_s)

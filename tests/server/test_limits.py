@@ -91,16 +91,23 @@ def test_too_many_characters(limited):
     assert_error(r, 400, "prompt_too_long")
 
 
-def test_max_tokens_cap(limited):
+def test_max_tokens_above_the_cap_is_lowered_to_it_and_said(limited):
+    """The operator's cap is a ceiling like the context's room: lowered to it, named in the
+    header, never a 400 (agents send their own large ceilings)."""
     for field in ("max_tokens", "max_completion_tokens"):
-        r = httpx.post(limited.url + "/v1/chat/completions",
-                       json={"model": MODEL, "messages": MESSAGES, field: 51})
-        assert assert_error(r, 400, "max_tokens_too_large")["param"] == "max_tokens"
-    r = httpx.post(limited.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 51})
-    assert_error(r, 400, "max_tokens_too_large")
+        r = httpx.post(limited.url + "/v1/chat/completions", timeout=60,
+                       json={"model": MODEL, "messages": MESSAGES, field: 5000, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-max-tokens-clamped"] == "50"
+        assert r.json()["usage"]["completion_tokens"] <= 50
+    r = httpx.post(limited.url + "/v1/completions", timeout=60,
+                   json={"model": MODEL, "prompt": "a", "max_tokens": 51, "temperature": 0})
+    assert r.status_code == 200 and r.headers["x-max-tokens-clamped"] == "50"
+    assert r.json()["usage"]["completion_tokens"] == 50
     r = httpx.post(limited.url + "/v1/completions",
                    json={"model": MODEL, "prompt": "a", "max_tokens": 50, "temperature": 0}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 50
+    assert "x-max-tokens-clamped" not in r.headers
 
 
 def test_cors_is_off_by_default(limited):
