@@ -79,27 +79,54 @@ def test_token_id_prompts_in_a_list_are_scored_each(server, reference):
                                         abs=1e-4)
 
 
-def test_streaming_echo_sends_the_prompt_and_its_scores_first(server):
-    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60, json={
-        "model": MODEL, "prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 2,
-        "stream": True, "temperature": 0,
-    }) as r:
+def _stream(server, **body) -> list[dict]:
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
+                      json={"model": MODEL, "stream": True, **body}) as r:
         assert r.status_code == 200
-        chunks = [json.loads(line[6:]) for line in r.iter_lines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]
+        return [json.loads(line[6:]) for line in r.iter_lines()
+                if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+@pytest.mark.parametrize("max_tokens", [2, 0])
+def test_streaming_echo_sends_the_prompt_and_its_scores_first(server, reference, max_tokens):
+    tokenizer, score = reference
+    tokens = tokenizer.encode(PROMPT)
+    chunks = _stream(server, prompt=PROMPT, echo=True, logprobs=1, max_tokens=max_tokens,
+                     temperature=0)
     first = chunks[0]["choices"][0]
-    assert first["text"] == PROMPT and first["logprobs"]["token_logprobs"][0] is None
-    assert len(first["logprobs"]["tokens"]) > 1
-    generated = [c["choices"][0]["text"] for c in chunks[1:]]
-    assert len("".join(generated)) > 0
+    assert first["text"] == PROMPT
+    got = first["logprobs"]["token_logprobs"]
+    assert got[0] is None and len(got) == len(tokens)
+    ref = score(tokens)
+    assert got[1:] == pytest.approx([float(ref[j - 1, tokens[j]]) for j in range(1, len(tokens))],
+                                    abs=1e-4)
+    generated = "".join(c["choices"][0]["text"] for c in chunks[1:] if c["choices"])
+    assert (len(generated) > 0) == (max_tokens > 0)
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finish[-1] == "length"
 
 
-def test_chat_with_max_tokens_0_is_an_empty_answer(server):
+def test_n_copies_each_carry_the_prompts_scores(server, reference):
+    tokenizer, score = reference
+    tokens = tokenizer.encode(PROMPT)
+    out = _complete(server, prompt=PROMPT, echo=True, logprobs=1, max_tokens=0, n=3)
+    assert sorted(c["index"] for c in out["choices"]) == [0, 1, 2]
+    ref = score(tokens)
+    expected = [float(ref[j - 1, tokens[j]]) for j in range(1, len(tokens))]
+    for choice in out["choices"]:
+        assert choice["text"] == PROMPT
+        assert choice["logprobs"]["token_logprobs"][0] is None
+        assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_chat_with_max_tokens_0_is_an_empty_answer(server, field):
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
-        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0})
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], field: 0})
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "length" and not choice["message"]["content"]
+    assert r.json()["usage"]["completion_tokens"] == 0
 
 
 def test_lm_eval_local_completions_loglikelihoods_equal_mlx_lms(server, reference):
