@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -98,6 +99,24 @@ def test_results_folders_are_named_by_date_machine_and_scenario(tmp_path: Path) 
     assert first.name == "2026-12-03-h200-throughput"
     first.mkdir()
     assert result_dir(tmp_path, h200, "throughput", "2026-12-03").name == "2026-12-03-h200-throughput-2"
+
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+
+
+def test_every_committed_results_folder_has_a_valid_summary() -> None:
+    """Each folder under bench/results is `<date>-<machine>-<scenario>` and holds a summary.json
+    that validates, with its command and the commit it ran on (or, where the run did not
+    record it, the commit that added the files)."""
+    folders = sorted(d for d in RESULTS.iterdir() if d.is_dir())
+    assert folders
+    for d in folders:
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}-[a-z0-9]+-[a-z0-9.-]+", d.name), d.name
+        data = json.loads((d / "summary.json").read_text())
+        assert summary.validate(data) == [], d.name
+        assert data["machine"] == d.name.split("-")[3], d.name
+        assert data.get("commit") or data.get("added_in"), d.name
+        assert data.get("command"), d.name
 
 
 def test_the_bench_writes_a_valid_summary_from_a_tiny_cpu_run(tmp_path: Path) -> None:
