@@ -306,7 +306,8 @@ async def interference(server: Server, model: str, sizes: Sizes) -> dict[str, An
     A server that prefills the long prompt in one piece stalls every stream for its whole
     prefill; one that chunks it stalls them by a chunk; one that bounds each step's prefill
     by time stalls them by that bound, and serves the late short request before the long
-    prompt's remaining chunks. `goals` are issue 40's, met or not; the long prompt's TTFT is
+    prompt's remaining chunks. `goals` are the targets (ITL p99, late TTFT, long TTFT over
+    idle), met or not; the long prompt's TTFT is
     compared with the same length's alone on the idle server, sent last."""
     c = sizes.interference_concurrency
 

@@ -11,7 +11,7 @@ where its scenario measures them, and may carry more (`stream`, `run`, `dropped`
 
 `from_run(data)` builds it from a run's `run.json` (the bench writes both after every
 scenario); `convert(data)` from the results files earlier versions of the bench wrote (a
-`bench.run` JSON, a device-agreement or issue-16 JSON); `validate(summary)` lists what is
+`bench.run` JSON, a device-agreement or first memory-truth bench JSON); `validate(summary)` lists what is
 wrong with one; `merge` puts several runs' rows in one; `compact(data)` is the per-point
 detail of a run for a terminal (`python -m bench summary DIR`).
 """
@@ -188,7 +188,7 @@ def convert(data: dict[str, Any], *, machine: str | None = None, commit: str | N
             command: str | None = None, model: str = "llama3-8b", dtype: str = "bf16") -> dict[str, Any]:
     """summary.json for a results file an earlier bench wrote: a `bench.run` JSON (its scenarios
     as here, `pressure` for `overload`, `argv` for the command), or a device-agreement or
-    issue-16 JSON (phases of our server alone; their model is not recorded, so `model` and
+    first memory-truth bench's JSON (phases of our server alone; their model is not recorded, so `model` and
     `dtype` name it)."""
     if "scenarios" in data:
         out = from_run(data)
@@ -216,7 +216,7 @@ def convert(data: dict[str, Any], *, machine: str | None = None, commit: str | N
             out_rows.append(_point_row(base | {"concurrency": c, "prompt_tokens": tokens}, load)
                             | {k: memory.get(k) for k in ("peak_driver_bytes", "ceiling_at_driver_peak",
                                                           "agreement_max_rel_err") if k in memory})
-    else:  # bench.issue16: phases throughput (points by concurrency), pressure, after_burst
+    else:  # the first memory-truth bench: phases throughput (points by concurrency), pressure, after_burst
         plan = data.get("plan") or {}
         for phase, entry in (data.get("phases") or {}).items():
             value = entry.get("result") if isinstance(entry, dict) else None

@@ -9,7 +9,7 @@ the limit is set to the weights' bytes right after a load, when the weights are 
 allocated, and lowered again when a model unloads and at shutdown.
 
 The weights only: wiring the whole working set would pin KV buffers too, and near the
-wired limit users have seen kernel panics (MLX-NOTES). The weights are wired only when the
+wired limit users of MLX have reported kernel panics. The weights are wired only when the
 guard has room for them: at most `WORKING_SET_SHARE` of MLX's recommended working set and
 under the guard's hard ceiling. On Linux and CUDA `mx.set_wired_limit` is a no-op, and
 the recommended working set is not reported, so nothing is wired there.

@@ -166,7 +166,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="fail the group when no collective returns for this long (default 60)")
     serve.add_argument("--env-file", help="read MLX_HEADROOM_* settings (e.g. keys) from this file "
                        "instead of ./.env (what `service install` writes, mode 0600)")
-    # several models (issue 15, part 2; docs/multi-model.md)
+    # several models (docs/multi-model.md)
     serve.add_argument("--allowed-models", action="append",
                        help="a model that may be loaded on demand, or a directory of model "
                        "directories (repeatable, or comma-separated)")

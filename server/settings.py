@@ -85,7 +85,7 @@ class Settings(BaseSettings):
         description="prompt tokens per prefill chunk (default: 2048 on CUDA, 512 elsewhere)",
     )
     min_prefill_chunk: int = Field(32, ge=1)
-    # throughput (issue 17): tokens per engine step, decode rows included, and the most
+    # throughput: tokens per engine step, decode rows included, and the most
     # prompts' chunks one prefill model call takes
     max_step_tokens: int | None = Field(
         None, ge=16, description="tokens per engine step, decode rows included "
@@ -184,14 +184,14 @@ class Settings(BaseSettings):
     responses_store_entries: int = Field(256, ge=0, description="stored responses kept, at most")
     responses_store_bytes: int = Field(64 << 20, ge=0, description="bytes of stored responses, at most")
 
-    # load admission (issue 15)
+    # load admission
     reserve_context_tokens: int | None = Field(
         None, ge=1, description="context to reserve KV for when admitting the model at load "
         "(capped at the served context; default: context_length when set, else 8192)"
     )
     force_load: bool = Field(False, description="load even when the reserve does not fit")
 
-    # several models in one budget (issue 15, part 2; docs/multi-model.md)
+    # several models in one budget (docs/multi-model.md)
     extra_models: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="models loaded at start besides `model`"
     )

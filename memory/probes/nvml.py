@@ -2,7 +2,7 @@
 
 MLX's counters miss memory on CUDA: freed buffers go through ``cudaFreeAsync`` into CUDA's
 memory pool, which keeps them, and neither ``mx.get_active_memory()`` nor
-``mx.get_cache_memory()`` sees them (MLX-NOTES.md, "Memory APIs"). The driver's per-process
+``mx.get_cache_memory()`` sees them (MLX 0.32's CUDA allocator). The driver's per-process
 figure, the one ``nvidia-smi --query-compute-apps=pid,used_memory`` prints, does.
 
 :class:`NvmlReading` is a plain value, so the probe's arithmetic is tested with fake

@@ -30,7 +30,8 @@ LLAMA3_8B = {
 def test_geometry_from_config_defaults() -> None:
     g = geometry_from_config(LLAMA3_8B)
     assert (g.num_layers, g.num_kv_heads, g.head_dim, g.dtype_bytes) == (32, 8, 128, 2)
-    assert g.kv_bytes_per_token == 128 * KiB  # MLX-NOTES: 8B Llama-3 bf16 = 128 KiB/token
+    # 32 layers x 8 KV heads x 128 dims x 2 (K and V) x 2 bytes
+    assert g.kv_bytes_per_token == 128 * KiB
     mha = geometry_from_config({**LLAMA3_8B, "num_key_value_heads": None, "torch_dtype": "float32"})
     assert (mha.num_kv_heads, mha.dtype_bytes) == (32, 4)
     assert geometry_from_config({**LLAMA3_8B, "head_dim": 64}, dtype_bytes=4).head_dim == 64

@@ -1,4 +1,4 @@
-"""Conformance details a new OpenAI client runs into (issue 10), through a real server."""
+"""Conformance details a new OpenAI client runs into, through a real server."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Several models in one memory budget (issue 15, part 2), through real server processes.
+"""Several models in one memory budget, through real server processes.
 
 Three tiny models (different seeds) and a custom ceiling sized from the server's own load
 check so that it holds two of them: weights + reserve + one prefill chunk for a load, on
