@@ -1,5 +1,5 @@
 """GET /v1/models and /v1/models/{id}: one path for two APIs. A request carrying
-`anthropic-version` gets Anthropic's shape (`server.anthropic.models`), any other
+`anthropic-version` gets Anthropic's shape (`server.model_cards`), any other
 OpenAI's; with a model pool, the OpenAI list holds every model it may serve."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from server.anthropic import models as anthropic_models
 from server.errors import BadRequest
+from server.model_cards import anthropic_card, anthropic_list
 from server.model_pool import check_served_model
 from server.state import ServerState, get_state
 
@@ -30,7 +30,7 @@ def openai_card(state: ServerState) -> dict[str, Any]:
 async def list_models(request: Request) -> dict[str, Any]:
     state = get_state(request)
     if "anthropic-version" in request.headers:
-        return anthropic_models.model_list(state)
+        return anthropic_list(state)
     pool = getattr(request.app.state, "model_pool", None)
     if pool is not None:  # loaded and loadable models, with their state
         return {"object": "list", "data": pool.cards(state.started_at)}
@@ -47,7 +47,7 @@ async def retrieve_model(model: str, request: Request) -> dict[str, Any]:
             return card
     check_served_model(state, model)
     if "anthropic-version" in request.headers:
-        return anthropic_models.model_card(state)
+        return anthropic_card(state)
     return openai_card(state)
 
 

@@ -129,3 +129,26 @@ def test_no_import_cycles() -> None:
     assert not found, "import circles, each as the imports among its modules:\n" + "\n".join(
         ", ".join(f"{m} -> {t}" for m in c for t in sorted(graph[m]) if t in c) for c in found
     )
+
+
+# Each API family's router; only the app that mounts them may import more than one.
+API_FAMILIES = {"openai": ("server.openai_routes", "server.models_routes"),
+                "responses": ("server.responses",), "anthropic": ("server.anthropic",),
+                "admin": ("server.admin_routes",)}
+
+
+def family_of(module: str) -> str | None:
+    for family, prefixes in API_FAMILIES.items():
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return family
+    return None
+
+
+def test_no_api_family_imports_another() -> None:
+    graph = import_graph()
+    bad = sorted(f"{source} -> {target}" for source, targets in graph.items() for target in targets
+                 if family_of(source) and family_of(target) and family_of(source) != family_of(target))
+    assert not bad, "API families importing each other (share through server.state etc.):\n" + "\n".join(bad)
+    users = {s for s, targets in graph.items() if s.startswith("server.") and not family_of(s)
+             and len({family_of(t) for t in targets} - {None}) > 1}
+    assert users <= {"server.app"}, f"modules other than the app that import several families: {users}"

@@ -9,12 +9,10 @@ server/chat_plan.py; this package only speaks Anthropic's shapes.
     message.py   a generation as Anthropic's message object
     stream.py    ... and as Anthropic's server-sent events
     routes.py    /v1/messages, /v1/messages/count_tokens
-    models.py    the models list and a model's card in Anthropic's shape
     errors.py    errors in Anthropic's shape and statuses
 """
 
 from server.anthropic.errors import render
-from server.anthropic.models import model_card, model_list
 from server.anthropic.routes import router
 
-__all__ = ["model_card", "model_list", "render", "router"]
+__all__ = ["render", "router"]

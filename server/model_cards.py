@@ -1,5 +1,6 @@
-"""The models list and a model's card in Anthropic's shape (for requests carrying
-`anthropic-version`; `server.models_routes` serves both APIs' shapes on one path)."""
+"""The models list and a model's card in Anthropic's shape, for requests carrying
+`anthropic-version`. `server.models_routes` serves both APIs' shapes on one path, so this
+lives beside it rather than in the Anthropic package: no API family imports another."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 from server.state import ServerState
 
 
-def model_card(state: ServerState) -> dict[str, Any]:
+def anthropic_card(state: ServerState) -> dict[str, Any]:
     """GET /v1/models/{id} as Anthropic answers it."""
     created = datetime.fromtimestamp(state.started_at, timezone.utc).isoformat().replace("+00:00", "Z")
     return {
@@ -21,7 +22,7 @@ def model_card(state: ServerState) -> dict[str, Any]:
     }
 
 
-def model_list(state: ServerState) -> dict[str, Any]:
+def anthropic_list(state: ServerState) -> dict[str, Any]:
     """GET /v1/models as Anthropic answers it."""
-    card = model_card(state)
+    card = anthropic_card(state)
     return {"data": [card], "has_more": False, "first_id": card["id"], "last_id": card["id"]}
