@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import json
 import math
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -78,8 +79,12 @@ TEXTS = (
 
 @pytest.fixture(scope="session")
 def gguf_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The session's conversion cache (the environment variable points every caller at it)."""
-    cache = tmp_path_factory.mktemp("gguf-cache")
+    """The session's conversion cache (the environment variable points every caller at it):
+    `MLX_HEADROOM_TEST_GGUF_CACHE` where set (CI keeps Gemma's conversion there between
+    runs; a conversion by another converter version is redone), else a new folder."""
+    kept = os.environ.get("MLX_HEADROOM_TEST_GGUF_CACHE")
+    cache = Path(kept) if kept else tmp_path_factory.mktemp("gguf-cache")
+    cache.mkdir(parents=True, exist_ok=True)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(CACHE_ENV, str(cache))
         yield cache
