@@ -144,11 +144,26 @@ class EngineClient:
     def _wire(self, loaded: LoadedModel) -> None:
         """Keep the weights resident (Metal) when the guard has room for them (engine.wired)."""
         try:
-            ceiling = self.guard.ceiling().hard_bytes if self.guard.state().enabled else None
+            ceiling = self._wire_ceiling()
         except Exception as exc:  # no reading, no promise of room: wire nothing
             log.warning("not wiring %s's weights: the memory probe failed (%s)", loaded.model_id, exc)
             return
         self._wired.hold(self._wired_key, loaded.weight_bytes, ceiling=ceiling)
+
+    def _unwire(self) -> None:
+        """Stop wiring this model's weights. The other models' are wired again under the
+        room check their load passed (`_wire`), against the ceiling now: it may have fallen."""
+        try:
+            ceiling: int | None = self._wire_ceiling()
+        except Exception as exc:  # no reading, no promise of room: as at load, wire nothing
+            log.warning("wiring no model's weights: the memory probe failed (%s)", exc)
+            ceiling = 0
+        self._wired.release(self._wired_key, ceiling=ceiling)
+
+    def _wire_ceiling(self) -> int | None:
+        """The room wired weights must fit in: the guard's hard ceiling, None while it is
+        off. Raises when the probe cannot read."""
+        return self.guard.ceiling().hard_bytes if self.guard.state().enabled else None
 
     @property
     def _wired_key(self) -> str:
@@ -172,7 +187,7 @@ class EngineClient:
             self.loaded = None
             gc.collect()
             mx.synchronize()
-            self._wired.release(self._wired_key)  # after the device is idle, as MLX asks
+            self._unwire()  # after the device is idle, as MLX asks
             mx.clear_cache()
             mx.clear_streams()
         except BaseException:

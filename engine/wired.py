@@ -15,7 +15,12 @@ under the guard's hard ceiling. On Linux and CUDA `mx.set_wired_limit` is a no-o
 the recommended working set is not reported, so nothing is wired there.
 
 One limit per process, the sum over the loaded models (`WiredWeights`); the setter and
-the device's figure are injectable, so the decisions are tested without a Mac.
+the device's figure are injectable, so the decisions are tested without a Mac. When a model
+unloads, the others' weights are wired again under the same check as at their load: the
+guard's ceiling may have fallen since, and a limit above it would let MLX wire KV buffers
+the guard never promised room for. `/v1/memory`, `/metrics` and `doctor` report the limit
+(`reported_limit_bytes`): null where setting it is a no-op, so "0, nothing wired" on a Mac
+is not confused with "cannot wire" on Linux.
 """
 
 from __future__ import annotations
@@ -88,11 +93,18 @@ class WiredWeights:
             self._held[key] = weight_bytes
             return self._apply(ceiling)
 
-    def release(self, key: str) -> WiredDecision:
-        """A model unloads (or the server shuts down): stop wiring its weights."""
+    def release(self, key: str, *, ceiling: int | None) -> WiredDecision:
+        """A model unloads (or the server shuts down): stop wiring its weights. The models
+        that stay are wired again only when there is room under `ceiling` now (the guard's
+        hard ceiling; None while the guard is off), the check `hold` made at their load."""
         with self._lock:
             self._held.pop(key, None)
-            return self._apply(None)
+            return self._apply(ceiling)
+
+    def reported_limit_bytes(self) -> int | None:
+        """The wired limit this process set, for reports; None where `mx.set_wired_limit`
+        is a no-op (the device reports no recommended working set: Linux, CUDA)."""
+        return self.limit_bytes if self._working_set() else None
 
     def _apply(self, ceiling: int | None) -> WiredDecision:
         decision = decide_wired_limit(sum(self._held.values()), working_set=self._working_set(),

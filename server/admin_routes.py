@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from engine import backend_name
+from engine.wired import WIRED
 from memory import Tier
 from server.errors import BadRequest, ServiceUnavailable
 from server.malloc import running_allocator
@@ -99,6 +100,9 @@ async def memory_view(request: Request) -> dict[str, Any]:
             "cache_bytes": snapshot.allocator_cache_bytes,
             "peak_bytes": stats.peak_bytes,
             "cache_limit_bytes": stats.cache_limit_bytes,
+            # mx.set_wired_limit as this process set it for the weights (engine.wired);
+            # null where it is a no-op (Linux, CUDA)
+            "wired_limit_bytes": WIRED.reported_limit_bytes(),
             # held but counted by neither active nor cache (the CUDA context and pool)
             "untracked_bytes": snapshot.untracked_bytes,
             "reclaimable_bytes": snapshot.allocator_cache_bytes

@@ -4,7 +4,9 @@ It prints the backend and device (and whether Metal is usable: available, and a 
 computation on the GPU returns; run it as the service's user, in the service's context, to
 learn what the service gets), every probe's reading, the ceiling's components and
 which binds (on a Mac, ``iogpu.wired_limit_mb`` beside MLX's recommended working set and
-the ``sysctl`` to raise it when it binds), and, for ``--model``, what fits, computed from
+the ``sysctl`` to raise it when it binds), what ``serve`` would wire with
+``mx.set_wired_limit`` (``engine.wired``; nothing where that is a no-op), and, for
+``--model``, what fits, computed from
 its config and weight headers without loading it. The numbers come from the same
 computation load admission uses (``server.model_fit``), under the same settings
 (environment, ``.env`` and the flags below), so what doctor promises, serve admits.
@@ -110,6 +112,23 @@ def macos_view(ceiling: Ceiling, wired_limit_mb: int | None, recommended: int | 
     }
 
 
+def wired_view(weight_bytes: int | None, working_set: int | None,
+               ceiling: int | None) -> dict[str, Any]:
+    """The wired limit `serve` would set for the model's weights, by the decision it makes
+    after the load (``engine.wired``): null where ``mx.set_wired_limit`` is a no-op, or
+    without ``--model``, whose weights are what gets wired."""
+    from engine.wired import decide_wired_limit
+
+    if not working_set:
+        return {"limit_bytes": None, "reason": "mx.set_wired_limit is a no-op on this backend "
+                "(no recommended working set): nothing is wired"}
+    if weight_bytes is None:
+        return {"limit_bytes": None, "reason": "serve wires a model's weights after loading it "
+                "when the guard has room (--model sizes it)"}
+    decision = decide_wired_limit(weight_bytes, working_set=working_set, ceiling=ceiling)
+    return {"limit_bytes": decision.limit_bytes, "reason": decision.reason}
+
+
 def collect(settings: Settings, *, model: str | None, max_tokens: int | None) -> dict[str, Any]:
     """Everything doctor reports, as one JSON-able dict (``ok`` and ``problems`` included)."""
     problems: list[str] = []
@@ -180,6 +199,10 @@ def collect(settings: Settings, *, model: str | None, max_tokens: int | None) ->
             }
             if not fit.fits_at_all:
                 problems.append(f"{spec.name} cannot fit at all: {fit.message()}")
+    weights = report["model"]["weight_bytes"] if report["model"] else None
+    working_set = report["backend"]["device_info"].get("max_recommended_working_set_size")
+    report["wired_limit"] = wired_view(weights, working_set if backend["metal_available"] else None,
+                                       ceiling.hard_bytes if settings.memory_guard else None)
     report["ok"] = not problems
     report["problems"] = problems
     return report
@@ -223,6 +246,11 @@ def render(report: dict[str, Any]) -> str:
         if mac["sysctl"]:
             lines.append(f"          the wired limit binds; to raise it: {mac['sysctl']}"
                          f" ({fb(mac['raise_wired_limit_mb'] * MiB)})")
+    wiring = report.get("wired_limit")
+    if wiring:
+        limit = wiring["limit_bytes"]
+        lines.append(f"wired     mx.set_wired_limit {'none' if limit is None else fb(limit)}: "
+                     f"{wiring['reason']}")
     m = report.get("model")
     if m:
         fit = m["fit"]

@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine.wired import WIRED
 from memory import MemoryGuard
 from server.state import ServerState
 from server.stats import Totals
@@ -47,6 +48,7 @@ class EngineCollector(Collector):
 
         guard = self.state.guard
         yield from _memory_gauges(guard)
+        yield from _wired_gauge()
         yield GaugeMetricFamily("mlx_headroom_committed_bytes",
                                 "memory reserved for admitted requests", value=totals.committed_bytes)
         yield GaugeMetricFamily("mlx_headroom_kv_cache_bytes", "KV cache of running requests",
@@ -149,6 +151,15 @@ def _speculative_metrics(spec: dict[str, Any]) -> Iterator[Metric]:
     yield GaugeMetricFamily("mlx_headroom_decode_tokens_per_row_step",
                             "tokens a decoding request gets per engine step (1 without speculation)",
                             value=spec.get("tokens_per_row_step") or 0)
+
+
+def _wired_gauge() -> Iterator[Metric]:
+    """MLX's wired limit as this process set it for the weights; absent where setting it is
+    a no-op (Linux, CUDA), so a 0 always means "nothing wired" on a device that could."""
+    limit = WIRED.reported_limit_bytes()
+    if limit is not None:
+        yield GaugeMetricFamily("mlx_headroom_wired_limit_bytes",
+                                "mx.set_wired_limit as set for the loaded models' weights", value=limit)
 
 
 def _memory_gauges(guard: MemoryGuard) -> Iterator[Metric]:

@@ -7,6 +7,7 @@ import json
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.conftest import ServerProcess
 from tests.server.test_errors_and_lifecycle import wait_until
 
 MODEL = "mlx-headroom/tiny-chat"
@@ -165,3 +166,33 @@ def test_metrics_registries_do_not_clash_between_apps():
     a, b = create_app(Settings()), create_app(Settings())
     assert a.state.metrics.registry is not b.state.metrics.registry
     assert b"mlx_headroom_requests" in a.state.metrics.render()
+
+
+def test_no_wired_limit_is_reported_where_setting_one_is_a_no_op(server):
+    # Linux: mx.set_wired_limit does nothing, so the server reports null, not "0 wired"
+    memory = httpx.get(server.url + "/v1/memory").json()
+    assert "wired_limit_bytes" in memory["allocator"] and memory["allocator"]["wired_limit_bytes"] is None
+    assert "mlx_headroom_wired_limit_bytes" not in scrape(server.url)
+
+
+# The real CLI in a real process, on a device that wires: MLX's setter accepts every limit
+# and the device reports a Mac's recommended working set (48 GiB).
+WIRING_DEVICE = """
+import sys
+import engine.wired as wired
+
+wired.WIRED.__init__(setter=lambda limit: 0, working_set=lambda: 48 << 30)
+from server.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_the_wired_limit_set_for_the_weights_is_reported(tiny_model_path, tmp_path):
+    proc = ServerProcess(tiny_model_path, python_args=["-c", WIRING_DEVICE]).start(tmp_path)
+    try:
+        memory = httpx.get(proc.url + "/v1/memory").json()
+        weights = memory["model"]["weight_bytes"]
+        assert weights > 0 and memory["allocator"]["wired_limit_bytes"] == weights
+        assert value(scrape(proc.url), "mlx_headroom_wired_limit_bytes") == weights
+    finally:
+        proc.stop()
