@@ -24,11 +24,14 @@ EXIT_OK = 0  # a clean stop: SIGTERM drained what was in flight
 EXIT_ENGINE_DIED = 1  # the engine died: a supervisor should start a fresh process
 EXIT_BAD_SETTINGS = 2  # flags or settings that cannot be served (argparse's code too)
 EXIT_STARTUP_FAILED = 3  # the model or the machine could not be read, the model could not
-#                          load, or the port could not be bound (uvicorn's own code)
+#                          load, or the port could not be bound for another reason than being
+#                          in use, such as a privileged port (uvicorn's own code)
 EXIT_DOES_NOT_FIT = 4  # load admission: the model does not fit (server.model_fit)
-# A restart would fail the same way: systemd's unit does not restart these
-# (RestartPreventExitStatus=), and with --fatal-file the server records why and exits 0,
-# which launchd's KeepAlive {SuccessfulExit: false} does not restart.
+EXIT_PORT_IN_USE = 5  # the port is held by another process, or still by the one this replaces:
+#                       transient, so a supervisor restarts it (not a configuration error)
+# The configuration errors, 2, 3 and 4: a restart would fail the same way, so systemd's unit
+# does not restart them (RestartPreventExitStatus=), and with --fatal-file the server records
+# why and exits 0, which launchd's KeepAlive {SuccessfulExit: false} does not restart.
 CONFIGURATION_ERRORS = frozenset({EXIT_BAD_SETTINGS, EXIT_STARTUP_FAILED, EXIT_DOES_NOT_FIT})
 LOG_MAX_BYTES = 10 * 1024 * 1024
 LOG_BACKUPS = 3
@@ -152,7 +155,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--fatal-file", type=Path,
                        help="on a configuration error (exit 2, 3 or 4) write why to this file and "
                        "exit 0, so that a supervisor restarting failed processes (launchd's "
-                       "KeepAlive) does not retry it forever; removed at start")
+                       "KeepAlive) does not retry it forever; removed at start (a port in use, "
+                       "exit 5, is not recorded: a restart may find it free)")
     serve.add_argument("--responses-store-entries", type=int)
     serve.add_argument("--responses-store-bytes", type=int)
     serve.add_argument("--tensor-parallel", type=int, help="split the model across N ranks "
@@ -325,9 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     with _first_error() as first_error:
         try:
             server.run()
-        except SystemExit as exc:  # uvicorn exits 3 when it cannot bind the port
+        except SystemExit as exc:  # uvicorn's 3: the app did not start, or the bind failed
             if exc.code != EXIT_STARTUP_FAILED:
                 raise
+    if server.port_in_use:
+        return _port_in_use(settings.host, settings.port)
     if not server.started:
         return _stop(fatal_file, EXIT_STARTUP_FAILED, first_error() or "the server did not start")
     if server.exit_code == 0 and not app.state.server.engine.stopped_cleanly:
@@ -361,6 +367,22 @@ def _stop(fatal_file: Path | None, code: int, reason: object) -> int:
     print(f"mlx-headroom: a configuration error (exit {code}): recorded in {fatal_file}; "
           f"exiting {EXIT_OK} so that the supervisor does not restart it", file=sys.stderr)
     return EXIT_OK
+
+
+def _port_in_use(host: str, port: int) -> int:
+    """The port is taken: say by whom where psutil can tell, and exit with a code that is
+    not a configuration error, never recorded in --fatal-file, so that the supervisor tries
+    again (the holder may be the process this one replaces, still draining)."""
+    from server.http_server import port_holder
+
+    holder = port_holder(port)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    held_by = f"held by {holder}" if holder else f"`lsof -nP -iTCP:{port}` names the holder"
+    logging.getLogger("mlx_headroom.server").error(
+        "cannot listen on %s: address already in use (%s); exiting %d, which a supervisor "
+        "restarts", address, held_by, EXIT_PORT_IN_USE,
+        extra={"host": host, "port": port, "held_by": holder})
+    return EXIT_PORT_IN_USE
 
 
 def _log_to_file(args: argparse.Namespace) -> None:

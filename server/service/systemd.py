@@ -3,7 +3,8 @@
 `Restart=on-failure` restarts the server when it exits with an error (it exits 1 when its
 engine dies) but not after a clean stop, nor after a configuration error (exit 2: bad
 settings, 3: the model cannot load, 4: it does not fit; `server.cli`), which a restart
-cannot change; `TimeoutStopSec` gives the drain on SIGTERM time
+cannot change. A port in use (exit 5) is restarted: the process this one replaces may still
+hold it. `TimeoutStopSec` gives the drain on SIGTERM time
 before systemd's SIGKILL. Logs go to the journal (`service logs` runs journalctl). A user
 unit runs while its user is logged in; `loginctl enable-linger USER` keeps it running
 without a session.
@@ -31,7 +32,8 @@ from server.service.spec import NAME, UNIT, ServiceSpec
 CONFIGURATION_ERRORS = frozenset({2, 3, 4})
 EXIT_MEANINGS = {1: "the engine died; restarted", 2: "bad settings; not restarted",
                  3: "the server or its model could not start; not restarted",
-                 4: "the model does not fit; not restarted"}
+                 4: "the model does not fit; not restarted",
+                 5: "the port was in use; restarted"}
 
 RESTART_SEC = 5
 TIMEOUT_STOP_S = 60  # the server drains for up to 30 s (shutdown_grace_s) on SIGTERM

@@ -1,12 +1,15 @@
 """The KeepAlive policy: a configuration error (exit 2, 3 or 4) must not become a restart
 loop. launchd restarts every non-zero exit (`KeepAlive {SuccessfulExit: false}`), so the
 service's server records why in its --fatal-file and exits 0; systemd's unit lists the
-same codes in RestartPreventExitStatus=. The real CLI in a real process."""
+same codes in RestartPreventExitStatus=. A port in use (exit 5) is transient: restarted by
+both, never recorded. The real CLI in a real process."""
 
 from __future__ import annotations
 
+import json
 import os
 import plistlib
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -66,3 +69,28 @@ def test_a_model_that_cannot_load_is_recorded_and_exits_zero(tmp_path: Path):
     found = fatal.read(record)
     assert found is not None and found.exit_code == 3, r.stderr[-3000:]
     assert found.reason and found.reason != "the server did not start"
+
+
+def test_a_port_in_use_is_restarted_by_both_supervisors(tmp_path: Path):
+    assert cli.EXIT_PORT_IN_USE == 5 and cli.EXIT_PORT_IN_USE not in cli.CONFIGURATION_ERRORS
+    spec = ServiceSpec(program=("/bin/mlx-headroom",), serve_args=(), env_file=tmp_path / "env")
+    assert "RestartPreventExitStatus=2 3 4\n" in systemd.render_unit(spec)
+    assert systemd.EXIT_MEANINGS[cli.EXIT_PORT_IN_USE] == "the port was in use; restarted"
+
+
+def test_a_port_in_use_exits_5_and_is_not_recorded(tiny_model_path: Path, tmp_path: Path):
+    """Another process holds the port: exit 5, which launchd's KeepAlive and systemd's
+    Restart=on-failure restart, even under --fatal-file; the log names the address and us."""
+    record = tmp_path / "last-fatal.json"
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        r = serve("--model", str(tiny_model_path), "--port", str(port), "--fatal-file", str(record))
+    assert r.returncode == cli.EXIT_PORT_IN_USE, r.stderr[-3000:]
+    assert not record.exists(), record.read_text()
+    lines = [json.loads(line) for line in r.stderr.splitlines() if "cannot listen on" in line]
+    assert len(lines) == 1, r.stderr[-3000:]
+    assert lines[0]["message"].startswith(f"cannot listen on 127.0.0.1:{port}: address already in use "
+                                          f"(held by pid {os.getpid()} (")
+    assert lines[0]["port"] == port and lines[0]["level"] == "error"
