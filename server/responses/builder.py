@@ -9,11 +9,17 @@ The model's thinking (server/reasoning.py) is a `reasoning` item whose `content`
 
 Generated calls name the request's template functions; `Toolset.ref` turns each back into
 what the client sent: a namespaced function as its bare `name` plus `namespace`, a custom
-tool as a `custom_tool_call` whose `input` is the text the model wrote."""
+tool as a `custom_tool_call` whose `input` is the text the model wrote. A call naming a tool
+the request did not offer (a hosted tool such as `web_search`, left out of the prompt, or a
+made-up name) is output text, `{"name": ..., "arguments": ...}`, and a log line: as a
+`function_call` it would name a function the client does not have (Codex answers
+"unsupported call", the Agents SDK raises), while as text the turn ends with the attempt in
+sight, as a call block that chat completions cannot parse stays text there."""
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -21,9 +27,12 @@ from typing import Any
 
 from server.errors import APIError
 from server.reasoning import OutputParser, ReasoningText, TextParser
+from server.responses.items import with_reasoning
 from server.responses.schemas import ResponsesRequest
 from server.responses.toolset import Toolset, custom_input
-from server.tools import ArgumentsDelta, CallDone, CallStarted, ContentText
+from server.tools import ArgumentsDelta, CallDone, CallStarted, ContentText, ToolCall
+
+log = logging.getLogger("mlx_headroom.server.responses")
 
 
 def _new_id(prefix: str) -> str:
@@ -50,6 +59,7 @@ class ResponseBuilder:
         self._reasoning_tokens = reasoning_tokens
         self._calls: dict[str, dict[str, Any]] = {}  # call items still streaming
         self._custom_arguments: dict[str, str] = {}  # a custom call's JSON arguments so far
+        self._unoffered: set[str] = set()  # ids of calls naming a tool not offered: text when done
         self.status = "in_progress"
         self.error: dict[str, Any] | None = None
         self.incomplete: dict[str, Any] | None = None
@@ -106,6 +116,10 @@ class ResponseBuilder:
         message: dict[str, Any] = {"role": "assistant", "content": self.output_text()}
         if calls:
             message["tool_calls"] = calls
+        reasoning = "\n\n".join(part["text"] for item in self.output if item["type"] == "reasoning"
+                                for part in item["content"])
+        if reasoning:  # as a reasoning item sent back would be: the template decides
+            with_reasoning(message, reasoning)
         return [message]
 
     # -- events ----------------------------------------------------------------------
@@ -132,7 +146,6 @@ class ResponseBuilder:
             if isinstance(item, ContentText):
                 events += self._text(item.text)
             elif isinstance(item, CallStarted):
-                events += self._close_message()
                 events += self._call_started(item)
             elif isinstance(item, ArgumentsDelta):
                 events += self._arguments(item)
@@ -215,6 +228,10 @@ class ResponseBuilder:
 
     def _call_started(self, started: CallStarted) -> list[dict[str, Any]]:
         ref = self.toolset.ref(started.name)
+        if ref is None:
+            self._unoffered.add(started.call_id)
+            return []
+        events = self._close_message()
         item: dict[str, Any]
         if ref.kind == "custom":
             item = {"type": "custom_tool_call", "id": _new_id("ctc"), "call_id": started.call_id,
@@ -227,10 +244,27 @@ class ResponseBuilder:
             item["namespace"] = ref.namespace
         self.output.append(item)
         self._calls[started.call_id] = item
-        return [self._event("response.output_item.added", output_index=len(self.output) - 1,
-                            item=dict(item))]
+        events.append(self._event("response.output_item.added", output_index=len(self.output) - 1,
+                                  item=dict(item)))
+        return events
+
+    def _unoffered_call(self, call: ToolCall) -> list[dict[str, Any]]:
+        """A call of a tool the request did not offer, as text (see the module's docstring)."""
+        self._unoffered.discard(call.id)
+        log.info("/v1/responses: the model called '%s', which the request did not offer; "
+                 "returned as text", call.name)
+        try:
+            arguments: Any = json.loads(call.arguments)
+        except json.JSONDecodeError:
+            arguments = call.arguments
+        text = json.dumps({"name": call.name, "arguments": arguments}, ensure_ascii=False)
+        if self._message is not None and self._message["content"][0]["text"]:
+            text = "\n" + text  # the parser took the newline before the call as markup
+        return self._text(text)
 
     def _arguments(self, delta: ArgumentsDelta) -> list[dict[str, Any]]:
+        if delta.call_id in self._unoffered:  # written out whole when the call is done
+            return []
         if delta.call_id in self._custom_arguments:  # the input is known once the JSON is whole
             self._custom_arguments[delta.call_id] += delta.delta
             return []
@@ -240,6 +274,8 @@ class ResponseBuilder:
                             output_index=self.output.index(item), delta=delta.delta)]
 
     def _call_done(self, done: CallDone) -> list[dict[str, Any]]:
+        if done.call.id in self._unoffered:
+            return self._unoffered_call(done.call)
         item = self._calls.pop(done.call.id)
         item["status"] = "completed"
         index = self.output.index(item)

@@ -8,9 +8,14 @@
   (namespaced names flattened as the tools are), joined to the assistant turn before them;
   `function_call_output` and `custom_tool_call_output` items become `tool` messages.
 - `additional_tools` items add their tools to the request's tools.
-- `reasoning` items (this server issues no `encrypted_content`), calls of hosted tools,
-  `item_reference` and unknown types are skipped; their type names are collected for the
-  log, never their text.
+- `reasoning` items: their text (the `reasoning_text` content this server emits, else the
+  summaries) joins the assistant turn that follows, as `reasoning_content` (Qwen3's and
+  most thinking templates' field) and `thinking` (gpt-oss's); the template decides whether
+  to render it (Qwen3 drops it before the last user query, gpt-oss keeps the analysis
+  between a call and its output). Reasoning that no assistant turn follows before the next
+  user or tool turn, and `encrypted_content` (this server issues none), are skipped.
+- Calls of hosted tools, `item_reference` and unknown types are skipped; their type names
+  are collected for the log, never their text.
 - Images: this server's models take none. An image beside text is dropped; a user turn
   that is only images is refused (`ImageOnlyInput`), since the image is its point.
 """
@@ -37,6 +42,7 @@ class Conversation:
     messages: list[dict[str, Any]] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
     images_dropped: int = 0
+    pending_reasoning: list[str] = field(default_factory=list)  # for the next assistant turn
 
 
 def _parts_text(content: Any, conv: Conversation) -> tuple[str, int]:
@@ -74,12 +80,53 @@ def _output_text(output: Any, conv: Conversation) -> str:
     return "" if output is None else json.dumps(output)
 
 
+def _reasoning_text(item: dict[str, Any], conv: Conversation) -> str:
+    """A reasoning item's text: its `reasoning_text` content (what this server emits), else
+    its summaries, one paragraph each. Empty for another server's `encrypted_content`."""
+    text, _ = _parts_text(item.get("content"), conv)
+    if text.strip():
+        return text
+    summary = item.get("summary")
+    parts = summary if isinstance(summary, list) else []
+    return "\n\n".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)
+                       and p["text"].strip())
+
+
+def _fold_reasoning(conv: Conversation, message: dict[str, Any]) -> None:
+    """Give the waiting reasoning to the assistant turn it led to."""
+    if conv.pending_reasoning:
+        earlier = [message["reasoning_content"]] if message.get("reasoning_content") else []
+        message["reasoning_content"] = "\n\n".join(earlier + conv.pending_reasoning)
+        conv.pending_reasoning.clear()
+
+
+def _drop_reasoning(conv: Conversation) -> None:
+    """Reasoning that led to no assistant turn (an interrupted turn) belongs to no later one."""
+    if conv.pending_reasoning:
+        conv.ignored.append("reasoning")
+        conv.pending_reasoning.clear()
+
+
+def with_reasoning(message: dict[str, Any], text: str) -> None:
+    """An assistant message's reasoning under the names templates read: `reasoning_content`
+    (Qwen3, GLM, ...) and `thinking` (gpt-oss). gpt-oss's template refuses a call message
+    with both content and thinking (it renders that content as the analysis), so there the
+    message gets no `thinking`."""
+    message["reasoning_content"] = text
+    if not (message.get("content") and message.get("tool_calls")):
+        message["thinking"] = text
+
+
 def _add(conv: Conversation, role: str, text: str) -> None:
+    if role != "assistant":
+        _drop_reasoning(conv)
     last = conv.messages[-1] if conv.messages else None
     if role == "user" and last is not None and last["role"] == "user" and "tool_call_id" not in last:
         last["content"] = f"{last['content']}\n\n{text}" if last["content"] else text
     else:
         conv.messages.append({"role": role, "content": text})
+    if role == "assistant":
+        _fold_reasoning(conv, conv.messages[-1])
 
 
 def _add_call(conv: Conversation, call: dict[str, Any]) -> None:
@@ -88,6 +135,7 @@ def _add_call(conv: Conversation, call: dict[str, Any]) -> None:
         last.setdefault("tool_calls", []).append(call)
     else:
         conv.messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+    _fold_reasoning(conv, conv.messages[-1])
 
 
 def to_conversation(items: list[Any], toolset: Toolset) -> Conversation:
@@ -124,13 +172,24 @@ def to_conversation(items: list[Any], toolset: Toolset) -> Conversation:
             _add_call(conv, {"id": str(item.get("call_id") or item.get("id") or ""), "type": "function",
                              "function": {"name": flat, "arguments": arguments}})
         elif kind in ("function_call_output", "custom_tool_call_output"):
+            _drop_reasoning(conv)
             conv.messages.append({"role": "tool", "tool_call_id": str(item.get("call_id") or ""),
                                   "content": _output_text(item.get("output"), conv)})
         elif kind == "additional_tools":
             for tool in item.get("tools") or []:
                 toolset.add(tool)
+        elif kind == "reasoning":
+            text = _reasoning_text(item, conv)
+            if text.strip():
+                conv.pending_reasoning.append(text)
+            else:
+                conv.ignored.append("reasoning")
         else:
             conv.ignored.append(str(kind))
+    _drop_reasoning(conv)
+    for message in conv.messages:
+        if message.get("reasoning_content"):
+            with_reasoning(message, message["reasoning_content"])
     if last_user_images_only:
         raise ImageOnlyInput(
             "the last user message is only images, and this model takes no image input; "

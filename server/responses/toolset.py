@@ -15,7 +15,9 @@ generated call back into what the client sent:
   `custom_tool_call {call_id, name, input}`;
 - hosted tools this server cannot run (`web_search`, `image_generation`, `tool_search`,
   `local_shell`, `file_search`, `code_interpreter`, `mcp`, ...) and unknown types: left out
-  of the prompt, named in a debug log.
+  of the prompt, named in a debug log. A call of one (models trained with a search tool
+  call it anyway), or of any name not offered, has no client tool behind it: the builder
+  writes it out as text.
 """
 
 from __future__ import annotations
@@ -125,9 +127,10 @@ class Toolset:
                 return flat
         return flat_name(name, namespace)
 
-    def ref(self, flat: str) -> ToolRef:
-        """What a generated call names, as the client knows it (unknown names as they are)."""
-        return self.refs.get(flat) or ToolRef("function", flat)
+    def ref(self, flat: str) -> ToolRef | None:
+        """What a generated call names, as the client knows it; None for a tool the request
+        did not offer (a hosted tool left out of the prompt, or a made-up name)."""
+        return self.refs.get(flat)
 
     def choice(self, raw: Any) -> ToolChoice:
         """tool_choice as sent -> the plan's choice. Choices naming a hosted tool, or

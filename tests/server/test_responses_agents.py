@@ -1,20 +1,23 @@
 """/v1/responses as coding agents use it: Codex-shaped requests (tests/server/codex_corpus/)
 stream to `response.completed`; forced calls of a namespaced function and of a custom tool
-come back as Codex reads them and work as history; an oversized max_tokens is clamped on
-all three APIs."""
+come back as Codex reads them and work as history; reasoning items sent back reach the
+template; a call of a tool not offered is text; an oversized max_tokens is clamped on all
+three APIs."""
 
 from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from engine.tiny_model import SPECIAL_TOKENS
+from engine.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS
 from tests.conftest import MODEL, ServerProcess
+from tests.server.scripted import EOS, THINK, ScriptedModel, build_marked_model, scripted_server, token_ids
 
 CORPUS = sorted((Path(__file__).parent / "codex_corpus").glob("*.json"))
 FIRST_TURN = json.loads((Path(__file__).parent / "codex_corpus" / "first_turn.json").read_text())
@@ -241,3 +244,60 @@ def test_no_max_output_tokens_means_up_to_the_room_not_the_server_default(tiny_m
         r = httpx.post(url + "/v1/chat/completions", timeout=120,
                        json={"model": MODEL, "messages": [{"role": "user", "content": "Hi there"}]})
         assert r.json()["usage"]["completion_tokens"] == 16  # chat keeps the server's default
+
+
+# The tiny model's template, rendering an assistant call turn's `reasoning_content` as
+# Qwen3's does after the last user query.
+CALL_TURN = "{{- '<|im_start|>assistant\n' + (message['content'] or '') }}"
+REASONING_TEMPLATE = CHAT_TEMPLATE.replace(CALL_TURN, (
+    "{{- '<|im_start|>assistant\n' }}"
+    "{%- if message.reasoning_content %}"
+    "{{- '<think>\n' + message.reasoning_content + '\n</think>\n\n' }}{%- endif %}"
+    "{{- message['content'] or '' }}"))
+EXEC = {"type": "function", "name": "exec_command",
+        "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}
+
+
+@pytest.fixture(scope="module")
+def reasoner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, ScriptedModel]]:
+    assert CALL_TURN in CHAT_TEMPLATE
+    path = build_marked_model(tmp_path_factory.mktemp("reasoner") / "model", THINK, REASONING_TEMPLATE)
+    with scripted_server(path, "tiny-reasoner", EOS, token_ids) as served:
+        yield served
+
+
+def test_a_reasoning_item_sent_back_reaches_the_template(reasoner):
+    """Codex sends the reasoning items it got back with the calls they led to: the text is
+    the call turn's `reasoning_content`, which this template renders, token for token."""
+    url, model = reasoner
+    thought = "The user wants the files: run ls."
+    history = [
+        {"role": "user", "content": "list the files"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": thought}]},
+        {"type": "function_call", "call_id": "c1", "name": "exec_command", "arguments": '{"cmd": "ls"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "a.txt"},
+    ]
+
+    def input_tokens(items: list[dict[str, Any]]) -> int:
+        model.say("Done.")
+        r = httpx.post(url + "/v1/responses", timeout=120,
+                       json={"model": "tiny-reasoner", "input": items, "tools": [EXEC]})
+        assert r.status_code == 200, r.text
+        assert r.json()["output"][0]["content"][0]["text"] == "Done."
+        return r.json()["usage"]["input_tokens"]
+
+    without = input_tokens([item for item in history if item.get("type") != "reasoning"])
+    assert input_tokens(history) - without == len(token_ids(f"<think>\n{thought}\n</think>\n\n"))
+
+
+def test_a_call_of_a_hosted_tool_left_out_of_the_prompt_is_text(reasoner):
+    """`web_search` is hosted, so not in the prompt; a model that calls it anyway gets its
+    call back as text, not as a `function_call` the client has no function for."""
+    url, model = reasoner
+    model.say('<tool_call>\n{"name": "web_search", "arguments": {"query": "mlx"}}\n</tool_call>')
+    response = check_sequence(stream(url, {"model": "tiny-reasoner", "input": "search for mlx",
+                                           "tools": [EXEC, {"type": "web_search"}], "stream": True}))
+    assert [item["type"] for item in response["output"]] == ["message"]
+    text = response["output"][0]["content"][0]["text"]
+    assert text == '{"name": "web_search", "arguments": {"query": "mlx"}}'

@@ -1,5 +1,6 @@
 """The Responses request's tools and input items on their own, without a server: flat
-names and their map back, history as chat messages, and the error codes agents read."""
+names and their map back, history as chat messages (reasoning folded into the assistant
+turn it led to), calls of tools not offered as text, and the error codes agents read."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import json
 import pytest
 
 from server.errors import APIError, BadRequest, InsufficientStorage, TooManyRequests
+from server.reasoning import OutputParser, ThinkMarkers
 from server.responses.builder import ResponseBuilder
 from server.responses.items import ImageOnlyInput, to_conversation
 from server.responses.schemas import ResponsesRequest
 from server.responses.toolset import ToolRef, Toolset, custom_input
+from server.tools import ToolCallParser, ToolSyntax
 
 TOOLS = [
     {"type": "function", "name": "exec_command", "parameters": {"type": "object"}},
@@ -36,7 +39,7 @@ def test_tools_flatten_to_unique_names_and_map_back():
     assert tools.ref("mcp__docs__render") == ToolRef("custom", "render", "mcp__docs__")
     assert tools.ref("agents__spawn") == ToolRef("function", "spawn", "agents")
     assert tools.ref("mcp__docs__search_2") == ToolRef("function", "mcp__docs__search")
-    assert tools.ref("made_up") == ToolRef("function", "made_up")
+    assert tools.ref("made_up") is None and tools.ref("web_search") is None
     assert tools.ignored == ["web_search", "image_generation", "local_shell", "something_new"]
 
 
@@ -95,6 +98,89 @@ def test_history_items_become_chat_messages():
     ]
     assert conv.ignored == ["reasoning", "web_search_call"] and conv.images_dropped == 1
     assert tools.ref("late") == ToolRef("function", "late")
+
+
+def _reasoning(text: str) -> dict:
+    return {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def test_reasoning_items_join_the_assistant_turn_they_led_to():
+    """Codex sends back the reasoning items this server emitted: their text reaches the
+    template as the next assistant turn's reasoning, which the template renders or drops."""
+    call = {"type": "function_call", "call_id": "c1", "name": "exec_command", "arguments": "{}"}
+    conv = to_conversation([
+        {"role": "user", "content": "fix it"},
+        _reasoning("Look first."),
+        call,
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Seen."},
+                                          {"type": "summary_text", "text": "Done."}]},
+        {"type": "reasoning", "summary": [], "encrypted_content": "another server's"},
+        {"type": "message", "role": "assistant", "content": "Fixed."},
+        {"role": "user", "content": "thanks"},
+        _reasoning("Interrupted."),  # no assistant turn before the next user turn
+        {"role": "user", "content": "hello?"},
+    ], Toolset.build(TOOLS))
+    call_message = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "exec_command", "arguments": "{}"}}]}
+    assert conv.messages == [
+        {"role": "user", "content": "fix it"},
+        {**call_message, "reasoning_content": "Look first.", "thinking": "Look first."},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        {"role": "assistant", "content": "Fixed.", "reasoning_content": "Seen.\n\nDone.",
+         "thinking": "Seen.\n\nDone."},
+        {"role": "user", "content": "thanks\n\nhello?"},
+    ]
+    assert conv.ignored == ["reasoning", "reasoning"]  # the encrypted one, the interrupted one
+
+
+def test_reasoning_before_a_message_and_its_call_is_not_gpt_oss_thinking():
+    """gpt-oss's template refuses a call message with both content and thinking."""
+    conv = to_conversation([
+        {"role": "user", "content": "fix it"}, _reasoning("Plan."),
+        {"type": "message", "role": "assistant", "content": "Looking."},
+        {"type": "function_call", "call_id": "c1", "name": "exec_command", "arguments": "{}"},
+    ], Toolset.build(TOOLS))
+    assistant = conv.messages[1]
+    assert assistant["reasoning_content"] == "Plan." and "thinking" not in assistant
+    assert assistant["content"] == "Looking." and len(assistant["tool_calls"]) == 1
+
+
+def test_a_stored_response_keeps_its_reasoning_for_previous_response_id():
+    parser = OutputParser(None, ThinkMarkers("<think>", "</think>"), reasoning=True)
+    builder = ResponseBuilder(ResponsesRequest(model="m", input="hi"), "m", parser)
+    builder.feed("Think.</think>Answer.", final=True)
+    assert builder.conversation() == [
+        {"role": "assistant", "content": "Answer.", "reasoning_content": "Think.", "thinking": "Think."}]
+
+
+HERMES = ToolSyntax.for_tokenizer(object())
+UNOFFERED = ('Searching.\n<tool_call>\n{"name": "web_search", "arguments": {"query": "mlx"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "exec_command", "arguments": {"cmd": "ls"}}\n</tool_call>')
+
+
+def test_a_call_of_a_tool_not_offered_is_text():
+    """`web_search` is a hosted tool, left out of the prompt: a call of it (or of any name
+    not offered) is text, streamed as such, and the offered call beside it a call."""
+    toolset = Toolset.build(TOOLS)
+    parser = OutputParser(ToolCallParser(HERMES, toolset.functions))
+    builder = ResponseBuilder(ResponsesRequest(model="m", input="hi"), "m", parser, toolset)
+    events = builder.start()
+    for at in range(0, len(UNOFFERED), 7):  # in pieces, as the tokens arrive
+        events += builder.feed(UNOFFERED[at:at + 7])
+    events += builder.feed("", final=True)
+    events += builder.finish("tool_calls", {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2,
+                                            "prompt_tokens_details": {"cached_tokens": 0}})
+    message, call = builder.output
+    text = message["content"][0]["text"]
+    assert text == 'Searching.\n{"name": "web_search", "arguments": {"query": "mlx"}}'
+    assert (call["type"], call["name"], json.loads(call["arguments"])) == ("function_call", "exec_command",
+                                                                           {"cmd": "ls"})
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert deltas == text
+    done = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
+    assert done == [0, 1] and "web_search" not in {e.get("name") for e in events}
 
 
 def test_only_an_image_as_the_last_turn_is_refused():
