@@ -105,6 +105,21 @@ def _text_starts(tokenizer: Any, text: str, tokens: Sequence[int]) -> list[int] 
     return starts
 
 
+def _decoded_starts(tokenizer: Any, tokens: Sequence[int], text: str) -> list[int]:
+    """Where each token starts in `text`, the decoding of `tokens` (a token-id prompt's echo),
+    where re-encoding the text gives other ids: the length of each prefix's decoding. A
+    tokenizer's decode is not the concatenation of its tokens' pieces (SentencePiece drops
+    the first piece's space, byte-fallback pieces form one character together), so the
+    running sum of the pieces' lengths drifts; prefixes do not. Kept within the text and
+    never decreasing (a prefix ending inside a character decodes to a replacement)."""
+    starts: list[int] = []
+    last = 0
+    for i in range(len(tokens)):
+        last = min(max(last, len(tokenizer.decode(list(tokens[:i])))), len(text))
+        starts.append(last)
+    return starts
+
+
 def _fim(state: ServerState, body: CompletionRequest) -> FimTokens | None:
     """The model's fill-in-the-middle tokens when the request sends a `suffix`; a 400
     naming `suffix` when its tokenizer has none (the model was not trained to infill)."""
@@ -395,7 +410,10 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
             start, end = fim.prefix_span(len(prompt), len(suffix_ids))
             prompt, scores = prompt[start:end], scores[start:end]
         given = body.prompts[choice.index // body.n]
-        starts = _text_starts(tokenizer, given, prompt) if isinstance(given, str) else None
+        echo = given if isinstance(given, str) else prefix(choice.index)
+        starts = _text_starts(tokenizer, echo, prompt)
+        if starts is None and not isinstance(given, str):
+            starts = _decoded_starts(tokenizer, prompt, echo)
         result = _completion_logprobs(tokenizer, scores, 0, prompt, starts)
         offsets[choice.index] = len(prefix(choice.index))
         return result

@@ -79,6 +79,24 @@ def test_token_id_prompts_in_a_list_are_scored_each(server, reference):
                                         abs=1e-4)
 
 
+def test_a_token_id_prompts_offsets_are_where_its_tokens_start_in_the_echo(server, reference):
+    """A token-id prompt's echo is the decoding of all its ids, which is not the pieces'
+    decodings laid end to end: two byte tokens make one "é". Each offset is where the text
+    of the tokens before it ends in the echo, and none points past it."""
+    tokenizer, _ = reference
+    ids = tokenizer.encode("café ok")
+    assert len(ids) > len("café ok")  # "é" is more than one token
+    out = _complete(server, prompt=ids, echo=True, logprobs=0, max_tokens=0)
+    choice = out["choices"][0]
+    echo, offsets = choice["text"], choice["logprobs"]["text_offset"]
+    assert echo == "café ok" and len(offsets) == len(ids)
+    assert offsets == sorted(offsets) and max(offsets) < len(echo)
+    for i, start in enumerate(offsets):
+        before = tokenizer.decode(ids[:i])
+        if "\ufffd" not in before:
+            assert echo[:start] == before, (i, start)
+
+
 def _stream(server, **body) -> list[dict]:
     with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
                       json={"model": MODEL, "stream": True, **body}) as r:
@@ -160,3 +178,17 @@ def test_lm_eval_local_completions_loglikelihoods_equal_mlx_lms(server, referenc
                                                                 strict=True))
         ref_greedy = all(int(np.argmax(ref[j - 1])) == full[j] for j in range(ctxlen, len(full)))
         assert greedy == ref_greedy
+
+
+def test_offsets_from_prefix_decodings_where_the_echo_does_not_re_encode_to_the_ids() -> None:
+    """SentencePiece's decode drops the first piece's space: the pieces' lengths run one
+    ahead of the echo; the prefixes' decodings do not."""
+    from server.openai_routes import _decoded_starts
+
+    pieces = {1: " The", 2: " cat", 3: " sat"}
+
+    class Spm:
+        def decode(self, ids: list[int]) -> str:
+            return "".join(pieces[i] for i in ids).removeprefix(" ")
+
+    assert _decoded_starts(Spm(), [1, 2, 3], "The cat sat") == [0, 3, 7]
