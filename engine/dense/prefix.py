@@ -12,7 +12,14 @@ the request resumes from a copy of it and prefills only the rest. This is what m
 
 Snapshots are taken where a later prompt is likely to resume:
 - at checkpoint boundaries during prefill (every `checkpoint_tokens` tokens; the runner
-  ends a chunk on each boundary), so prompts sharing a long head find it;
+  ends a chunk on each boundary), so prompts sharing a long head find it. Each snapshot
+  copies every layer, full-attention KV included, so one at every boundary of an N-token
+  prompt would hold about N² / (2 · checkpoint_tokens) tokens of KV (a 32k prompt at 512:
+  32 times its own). Kept are the boundaries k · checkpoint_tokens with k a power of two,
+  and the two last before the prompt's end (where a shared system prompt or an agent's
+  earlier turns end): at most about 4N tokens, and a prompt that parts from a kept one
+  after d tokens resumes from at least d / 2 of them, or from the nearest boundary when
+  it parts within the last two (`keeps_checkpoint`);
 - at the end of the prompt, when the request starts decoding (the same prompt again);
 - at the end of the request, prompt and answer (an agent's next turn sends both back).
 
@@ -155,6 +162,15 @@ class DensePrefixCache:
 
     def is_checkpoint(self, tokens: int) -> bool:
         return self.on and self.checkpoint_tokens > 0 and tokens > 0 and tokens % self.checkpoint_tokens == 0
+
+    def keeps_checkpoint(self, tokens: int, prompt_len: int) -> bool:
+        """Whether the boundary at `tokens` of a prompt of `prompt_len` tokens is snapshotted:
+        k a power of two, or one of the two last boundaries before the prompt's last token
+        (the module's docstring says why)."""
+        if not self.is_checkpoint(tokens) or tokens >= prompt_len - 1:
+            return False
+        k, last = tokens // self.checkpoint_tokens, (prompt_len - 2) // self.checkpoint_tokens
+        return k & (k - 1) == 0 or k >= last - 1
 
     # ---- lookup ----------------------------------------------------------------------
     def lookup(self, tokens: Seq[int], *, count: bool = True,

@@ -72,7 +72,7 @@ class DenseRunner:
                 calls += 1
                 start = stop
                 # (the prompt's end is snapshotted when the request joins the batch)
-                if self.prefix is not None and self.prefix.is_checkpoint(stop) and stop < seq.prompt_len - 1:
+                if self.prefix is not None and self.prefix.keeps_checkpoint(stop, seq.prompt_len):
                     hold = self.store.hold_prefix(seq.request_id, stop)
                     if hold is not None:
                         self.prefix.insert(seq.request.prompt_tokens[:stop], hold)

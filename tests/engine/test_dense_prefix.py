@@ -116,6 +116,36 @@ def test_an_agent_conversation_resumes_from_the_whole_previous_turn(
         tokens = (*tokens, *answer, *_tokens(100 + turn, 25))
 
 
+def test_checkpoints_are_kept_at_powers_of_two_and_the_last_two_boundaries() -> None:
+    cache = DensePrefixCache(block_size=16, checkpoint_tokens=STEP)
+    prompt_len = 12 * STEP + 10  # boundaries k = 1 .. 12 before its last token
+    kept = [k for k in range(1, 14) if cache.keeps_checkpoint(k * STEP, prompt_len)]
+    assert kept == [1, 2, 4, 8, 11, 12]
+    assert not cache.keeps_checkpoint(STEP + 1, prompt_len)  # not a boundary
+    assert [k for k in range(1, 6) if cache.keeps_checkpoint(k * STEP, 5 * STEP + 1)] == [1, 2, 3, 4]
+
+
+def test_a_long_prompts_snapshots_hold_a_few_times_its_kv_not_its_square(
+    make_engine: Callable[..., Harness]
+) -> None:
+    """A prompt of 12 boundaries keeps 6 checkpoints (1, 2, 4, 8, 11, 12 boundaries), its
+    end and its end with the answer; a prompt parting from it inside boundary 10 resumes
+    from boundary 8, token-identical to mlx-lm."""
+    loaded = tiny_archs.loaded("gemma3_text")
+    h = make_engine(loaded=loaded, prefill_step_size=STEP)
+    first = _tokens(5, 12 * STEP + 10)
+    _run(h, [EngineRequest("first", first, 4, GREEDY)])
+    cache = h.core.prefix_cache
+    assert isinstance(cache, DensePrefixCache)
+    lengths = sorted(e.snapshot.tokens for e in cache._lru.values())
+    assert lengths == [STEP, 2 * STEP, 4 * STEP, 8 * STEP, 11 * STEP, 12 * STEP, len(first) - 1,
+                       len(first) + 4]
+    second = first[: 10 * STEP + 5] + _tokens(6, 20)
+    prefilled = _run(h, [EngineRequest("second", second, 4, GREEDY)])
+    assert h.out.cached["second"] == 8 * STEP and prefilled == len(second) - 1 - 8 * STEP
+    assert h.out.tokens["second"] == _reference(loaded.model, second, 4)
+
+
 def test_no_snapshot_is_kept_when_the_prefix_cache_is_off(make_engine: Callable[..., Harness]) -> None:
     loaded = tiny_archs.loaded("qwen3_next")
     h = make_engine(loaded=loaded, prefill_step_size=STEP, prefix_cache_bytes=0)
