@@ -267,25 +267,76 @@ def _leaf_caches(caches: list[Any]) -> list[Any]:
 
 
 _HOST_READS = (".tolist()", ".item()", "mx.eval(")
+_MODELS = "mlx_lm.models."
 
 
 def _host_reader(model: Any) -> str | None:
-    """The first module defining one of the model's layers whose source reads arrays on the
-    host (dbrx's routing calls tolist()): a lazy forward would evaluate its weights."""
-    import inspect
-    import sys
-
-    for name in sorted({type(m).__module__ for m in model.modules()}):
-        module = sys.modules.get(name)
-        if module is None or not name.startswith("mlx_lm.models."):
-            continue
-        try:
-            source = inspect.getsource(module)
-        except (OSError, TypeError):
-            continue
-        if any(s in source for s in _HOST_READS):
-            return name
+    """The first function of the model's forward pass whose source reads arrays on the host
+    (dbrx's router calls tolist()): a lazy forward would evaluate its weights. Only code the
+    forward runs counts: a host read in `sanitize` or a sharding helper (prism_hadamard_qwen35
+    checks its sign vectors with .item() at load) never runs in the probe."""
+    for fn in _forward_functions(model):
+        source = _source(fn)
+        if source is not None and any(s in source for s in _HOST_READS):
+            return f"{fn.__module__}.{fn.__qualname__}"
     return None
+
+
+def _forward_functions(model: Any) -> list[Any]:
+    """mlx-lm's functions reachable from the `__call__` of every layer class in the model
+    (and their bases): the methods and module-level functions they name, followed
+    transitively. Names are resolved loosely (any layer class's method of that name), so
+    the set may hold more than the forward runs, never less of mlx-lm's own code."""
+    import inspect
+
+    classes = [k for m in model.modules() for k in type(m).__mro__ if k.__module__.startswith(_MODELS)]
+    methods: dict[str, list[Any]] = {}
+    for klass in dict.fromkeys(classes):
+        for name, member in vars(klass).items():
+            fn = member.fget if isinstance(member, property) else member
+            if inspect.isfunction(fn):
+                methods.setdefault(name, []).append(fn)
+    todo = list(methods.get("__call__", []))
+    seen: dict[int, Any] = {}
+    while todo:
+        fn = todo.pop()
+        if id(fn) in seen:
+            continue
+        seen[id(fn)] = fn
+        for name in _names(fn.__code__):
+            todo.extend(methods.get(name, []))
+            todo.extend(_global_functions(fn, name))
+    return list(seen.values())
+
+
+def _names(code: Any) -> set[str]:
+    """Global and attribute names a code object uses, nested functions and lambdas included."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _names(const)
+    return names
+
+
+def _global_functions(fn: Any, name: str) -> list[Any]:
+    """mlx-lm functions `name` denotes in `fn`'s module: a global of that name, or an
+    attribute of that name on an mlx-lm module it imported (`qwen3_5.helper`)."""
+    import inspect
+    import types
+
+    found = [fn.__globals__.get(name)]
+    found += [getattr(m, name, None) for m in fn.__globals__.values()
+              if isinstance(m, types.ModuleType) and m.__name__.startswith(_MODELS)]
+    return [f for f in found if inspect.isfunction(f) and f.__module__.startswith(_MODELS)]
+
+
+def _source(fn: Any) -> str | None:
+    import inspect
+
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return None
 
 
 def _read(cache: Any, growing: set[int]) -> list[LayerCache]:

@@ -203,6 +203,15 @@ class EngineClient:
         )
 
     @property
+    def death_reason(self) -> str | None:
+        """Why the engine stopped serving (it failed to start, its thread died, or `fail`
+        ended it): the exception's type and message, the engine's own words and no request's
+        text, so that /health can say why it is down. None while it runs or after a clean stop."""
+        if self._dead is None:
+            return None
+        return f"{type(self._dead).__name__}: {self._dead}"
+
+    @property
     def stats(self) -> EngineStats:
         return self.core.stats if self.core else EngineStats()
 

@@ -215,17 +215,38 @@ def geometry_from_config(
 
     ``num_key_value_heads`` defaults to the head count and ``head_dim`` to hidden/heads;
     the dtype comes from ``torch_dtype`` (or ``dtype``) unless given, defaulting to 2 bytes.
+    A key missing under its usual name is read under dbrx's (``d_model``, ``n_heads``,
+    ``n_layers``, ``attn_config.kv_n_heads``, ``ffn_config.ffn_hidden_size``): dbrx's router
+    reads values on the host, so its caches are not probed before load and its config is
+    all there is to size it by.
     """
+    other_names = {  # the usual key: its path under another architecture's names
+        "num_attention_heads": ("n_heads",),
+        "hidden_size": ("d_model",),
+        "num_hidden_layers": ("n_layers",),
+        "num_key_value_heads": ("attn_config", "kv_n_heads"),
+        "intermediate_size": ("ffn_config", "ffn_hidden_size"),
+    }
+
+    def read(key: str) -> Any:
+        value = _get(config, key)
+        if value is not None or key not in other_names:
+            return value
+        first, *rest = other_names[key]
+        node = _get(config, first)
+        for part in rest:
+            node = node.get(part) if isinstance(node, Mapping) else None
+        return node
 
     def need(key: str) -> int:
-        value = _get(config, key)
+        value = read(key)
         if value is None:
             raise ValueError(f"model config lacks {key!r}")
         return int(value)
 
     heads = need("num_attention_heads")
     hidden = need("hidden_size")
-    kv_heads = _get(config, "num_key_value_heads")
+    kv_heads = read("num_key_value_heads")
     head_dim = _get(config, "head_dim")
     if dtype_bytes is None:
         dtype_bytes = (

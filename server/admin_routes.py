@@ -35,6 +35,9 @@ async def health(request: Request) -> JSONResponse:
     ok = state.ready and not state.shutting_down
     body = {"status": "ok" if ok else "unavailable", "model_loaded": state.engine.loaded is not None,
             "engine_alive": state.engine.alive, "memory_probe": state.guard.probe_status()}
+    reason = state.engine.death_reason
+    if reason is not None and not state.engine.alive:  # a supervisor's logs say why, not only that
+        body["engine_error"] = reason
     return JSONResponse(body, status_code=200 if ok else 503)
 
 

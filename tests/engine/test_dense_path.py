@@ -166,10 +166,14 @@ def test_prompt_logprobs_on_the_dense_path_equal_mlx_lms_forward(
     assert h.core.store.requests == {}
 
 
-@pytest.mark.parametrize("name", ["gpt2", "mamba2", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["gpt2", "mamba2", "deepseek_v3", "dbrx", "prism_hadamard_qwen35"])
 def test_load_admission_sizes_a_model_from_its_caches_before_loading(name: str, tmp_path: Path) -> None:
     """Configs without the usual keys (gpt2's n_head, mamba2's state) and MLA are sized
-    from a lazy probe of the model their config builds, as the loaded model will be."""
+    from a lazy probe of the model their config builds, as the loaded model will be.
+    prism_hadamard_qwen35 reads values on the host only in `sanitize`, never in its forward,
+    so it is probed too: half its layers hold gated delta-net state, not KV.
+    dbrx's router does read them in its forward: it is sized from its config's own names
+    (d_model, n_heads, attn_config.kv_n_heads), every layer full attention as it is."""
     model = tiny_archs.build(name)
     mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (tmp_path / "config.json").write_text(json.dumps(tiny_archs.CONFIGS[name]))
@@ -177,6 +181,9 @@ def test_load_admission_sizes_a_model_from_its_caches_before_loading(name: str, 
     layout = probe_cache_layout(model, weights_loaded=True)
     assert spec.geometry.kv_bytes_per_token == layout.bytes_per_token
     assert spec.geometry == geometry_for(model, layout)
+    if name == "prism_hadamard_qwen35":  # two attention layers' KV, two layers' fixed state
+        assert layout.kinds() == {"full": 2, "state": 2}
+        assert spec.geometry.kv_layout == layout.kv_layout() and layout.fixed_bytes > 0
 
 
 def test_the_probe_finds_rows_that_cannot_batch_and_caches_of_unusual_kinds() -> None:

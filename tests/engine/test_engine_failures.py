@@ -132,7 +132,8 @@ def test_a_failing_step_is_500_with_its_cause_and_the_engine_serves_on(flaky_ser
     err = r.json()["error"]
     assert err["code"] == "engine_step_failed" and err["type"] == "server_error"
     assert "broadcast_shapes" in err["message"]
-    assert httpx.get(f"{url}/health").status_code == 200
+    health = httpx.get(f"{url}/health")
+    assert health.status_code == 200 and "engine_error" not in health.json()  # it serves on
     ok = chat(url)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8
     memory = httpx.get(f"{url}/v1/memory").json()
@@ -148,7 +149,12 @@ def test_an_engine_whose_steps_keep_failing_dies_and_answers_503(flaky_server):
     assert r.status_code == 503, r.text
     err = r.json()["error"]
     assert err["code"] == "engine_unavailable" and "broadcast_shapes" in err["message"]
-    assert httpx.get(f"{url}/health").status_code == 503
+    health = httpx.get(f"{url}/health")
+    assert health.status_code == 503
+    body = health.json()
+    assert body["engine_alive"] is False and body["status"] == "unavailable"
+    # why it died, as the 503s say it: the exception's type and message (no prompt text)
+    assert body["engine_error"] == "ValueError: [broadcast_shapes] an engine bug, not a memory error"
     # nothing is mistaken for bad input once the model is gone: a token-id prompt is 503
     again = httpx.post(f"{url}/v1/completions", timeout=60,
                        json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4})

@@ -9,11 +9,13 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
+from engine.cache_layout import CacheLayoutError, probe_cache_layout
 from engine.dummy_model import dummy_config, weight_bytes
 from engine.loader import load_model
 from engine.model_spec import ModelSpecError, read_model_spec
 from memory import geometry_from_model
 from memory.weights import Quantization
+from tests.engine import tiny_archs
 
 
 def test_the_default_model_is_sized_exactly_from_its_headers() -> None:
@@ -65,3 +67,15 @@ def test_unreadable_models_say_why(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelSpecError, match=r"config\.json"):
         read_model_spec(str(tmp_path))
+
+
+def test_only_host_reads_in_the_forward_keep_a_model_from_being_probed_unloaded() -> None:
+    """dbrx's router calls tolist() in its forward: probing it unloaded would evaluate its
+    weights, so it is refused (naming the method). prism_hadamard_qwen35 calls item() only
+    in sanitize, which the probe never runs: its caches are read lazily, nothing evaluated."""
+    with pytest.raises(CacheLayoutError, match=r"dbrx\.SparseMoeBlock\.__call__"):
+        probe_cache_layout(tiny_archs.build("dbrx", evaluate=False))
+    before = mx.get_active_memory()
+    layout = probe_cache_layout(tiny_archs.build("prism_hadamard_qwen35", evaluate=False))
+    assert layout.kinds() == {"state": 2, "full": 2}
+    assert mx.get_active_memory() - before < 1 << 16

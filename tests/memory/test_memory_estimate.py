@@ -41,6 +41,21 @@ def test_geometry_from_config_defaults() -> None:
         geometry_from_config({k: v for k, v in LLAMA3_8B.items() if k != "vocab_size"})
 
 
+def test_geometry_from_config_reads_dbrx_names() -> None:
+    """dbrx is sized from its config (its router reads values on the host, so its caches are
+    not probed before load), which names the usual keys otherwise."""
+    dbrx = {
+        "model_type": "dbrx", "d_model": 6144, "n_heads": 48, "n_layers": 40, "vocab_size": 100352,
+        "attn_config": {"kv_n_heads": 8, "clip_qkv": 8, "rope_theta": 500000},
+        "ffn_config": {"ffn_hidden_size": 10752, "moe_num_experts": 16, "moe_top_k": 4},
+    }
+    g = geometry_from_config(dbrx)
+    assert (g.num_layers, g.num_heads, g.num_kv_heads, g.head_dim) == (40, 48, 8, 128)
+    assert (g.hidden_size, g.intermediate_size, g.vocab_size) == (6144, 10752, 100352)
+    assert g.kv_bytes_per_token == 2 * 40 * 8 * 128 * 2
+    assert geometry_from_config({**LLAMA3_8B, "n_heads": 1, "d_model": 1}) == geometry_from_config(LLAMA3_8B)
+
+
 def test_quantized_kv_is_smaller() -> None:
     g = geometry_from_config(LLAMA3_8B)
     q8 = ModelGeometry(**{**g.__dict__, "kv_bits": 8})
