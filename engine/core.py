@@ -238,6 +238,7 @@ class EngineCore:
             self.prefix_cache.disk = open_disk_tier(config.prefix_cache_dir, config.prefix_cache_disk_bytes,
                                                     loaded.path, self.store)
             self.prefix_cache.prefill_rate = self._prefill_rate
+            self.prefix_cache.prefill_seconds = self._prefill_seconds
         self.batch: Runner | DenseRunner
         if isinstance(self.store, DenseStore):
             checkpoints = self.prefix_cache if isinstance(self.prefix_cache, DensePrefixCache) else None
@@ -530,6 +531,16 @@ class EngineCore:
         """Prompt tokens prefilled per second of waiting for the device, so far."""
         tokens, waited = self._counters["prompt_tokens"], self.batch.prefill_wait_s
         return tokens / waited if tokens and waited > 0 else None
+
+    def _prefill_seconds(self, context: int, tokens: int) -> float | None:
+        """What prefilling `tokens` prompt tokens after `context` others would take, for the
+        disk tier's read-or-prefill decision: the step budget's fitted line (a token's cost
+        grows with the context it attends), else the average rate, else unknown (None)."""
+        line = self.step_budget.cost.line
+        if line is not None:
+            return line.seconds(context, tokens)
+        rate = self._prefill_rate()
+        return tokens / rate if rate else None
 
     def _act_on(self, seq: Sequence, decision: Decision, now: float) -> bool:
         """Evict, wait or refuse as the decision says; True when the work may go ahead.

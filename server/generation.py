@@ -262,7 +262,11 @@ class Generation:
     def usage(self) -> dict[str, Any]:
         prompt = sum(len(p) for p in self.prepared.prompts)
         completion = sum(c.text.completion_tokens for c in self.choices)
-        cached = max((c.cached_tokens for c in self.choices), default=0)
+        # Summed over the prompts, as prompt_tokens is; a prompt's n choices share it, and
+        # count once: what the one that found the most in the cache found.
+        n = self.prepared.n
+        cached = sum(max((c.cached_tokens for c in self.choices[i * n : (i + 1) * n]), default=0)
+                     for i in range(len(self.prepared.prompts)))
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,

@@ -22,6 +22,7 @@ last turns before the system prompt it shares with others ("a prefix of a prefix
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -87,7 +88,7 @@ class _Node:
     segment_id: int
     block: int
     end: int  # tokens from the start of the chain through this block
-    children: dict[ChainKey, _Node] = field(default_factory=dict)
+    children: _Children = field(default_factory=lambda: _Children())
 
     def chain(self) -> list[_Node]:
         """Root first."""
@@ -108,6 +109,71 @@ def _common(a: Seq[int], b: Seq[int]) -> int:
     return n
 
 
+class _Children:
+    """A node's children (or the roots): by key, by tokens, and in the order of their tokens.
+
+    The order bounds the partial-block fallback: the child sharing the longest run of
+    leading tokens with a prompt's next block sorts next to where that block would go (a
+    sorted list's neighbours share the longest prefixes), so a lookup bisects instead of
+    comparing the block with every child, and a first-block miss costs a bisection of the
+    roots, not a comparison per cached conversation (`_walk`; `insert` likewise)."""
+
+    __slots__ = ("_by_key", "_by_tokens", "_sorted")
+
+    def __init__(self) -> None:
+        self._by_key: dict[ChainKey, _Node] = {}
+        self._by_tokens: dict[tuple[int, ...], _Node] = {}  # one child per block of tokens
+        self._sorted: list[tuple[int, ...]] = []
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def get(self, key: ChainKey) -> _Node | None:
+        return self._by_key.get(key)
+
+    def values(self) -> list[_Node]:
+        """A copy: callers remove children as they go."""
+        return list(self._by_key.values())
+
+    def add(self, node: _Node) -> None:
+        self._by_key[node.key] = node
+        self._by_tokens[node.tokens] = node
+        bisect.insort(self._sorted, node.tokens)
+
+    def remove(self, node: _Node) -> None:
+        if self._by_key.pop(node.key, None) is None:
+            return
+        del self._by_tokens[node.tokens]
+        del self._sorted[bisect.bisect_left(self._sorted, node.tokens)]
+
+    def longest_common(self, rest: tuple[int, ...],
+                       accept: Callable[[_Node], bool]) -> tuple[_Node | None, int]:
+        """The accepted child sharing the most leading tokens with `rest`, and how many.
+        From `rest`'s place in the order outwards, both ways: the shared run only shrinks
+        with distance, so a side stops at the first child that cannot beat the best (only
+        children refused by `accept`, of another segment, are stepped over)."""
+        at = bisect.bisect_left(self._sorted, rest)
+        best, best_n = None, 0
+        for side in (range(at - 1, -1, -1), range(at, len(self._sorted))):
+            for i in side:
+                n = _common(self._sorted[i], rest)
+                if n <= best_n:
+                    break
+                node = self._by_tokens[self._sorted[i]]
+                if accept(node):
+                    best, best_n = node, n
+        return best, best_n
+
+    def starting_with(self, piece: tuple[int, ...]) -> bool:
+        """Does a child's block begin with `piece`? Such blocks sort right after `piece`."""
+        at = bisect.bisect_left(self._sorted, piece)
+        return at < len(self._sorted) and self._sorted[at][: len(piece)] == piece
+
+    def prefixes_of(self, piece: tuple[int, ...]) -> list[_Node]:
+        """The children whose blocks are shorter than `piece` and begin it."""
+        return [n for size in range(1, len(piece)) if (n := self._by_tokens.get(piece[:size])) is not None]
+
+
 class PrefixCache:
     def __init__(self, store: BlockStore, *, max_bytes: int | None = None, min_hit_tokens: int = 1) -> None:
         self.store = store
@@ -118,7 +184,7 @@ class PrefixCache:
         # the block and moves the prompt's chunks off offset 0, where batched prefill rows
         # keep the fused causal path.
         self.min_hit_tokens = max(min_hit_tokens, 1)
-        self._roots: dict[ChainKey, _Node] = {}
+        self._roots = _Children()
         self._lru: OrderedDict[ChainKey, _Node] = OrderedDict()  # least recent first, children before parents
         self._by_segment: dict[int, dict[int, int]] = {}  # segment -> block -> the cache's holds
         self.hits = 0
@@ -127,7 +193,11 @@ class PrefixCache:
         self.evicted: dict[str, int] = dict.fromkeys(CAUSES, 0)
         # Where evicted full blocks go, and how fast the engine prefills (is reading faster?).
         self.disk: DiskTier | None = None
-        self.prefill_rate: Callable[[], float | None] = lambda: None
+        self.prefill_rate: Callable[[], float | None] = lambda: None  # tokens/s, for the stats
+        # Seconds to prefill (context, tokens): the tokens after `context` cached ones. The
+        # engine gives its fitted cost line, since attention makes a block deep in a long
+        # prompt dearer than the average; by default, the average rate.
+        self.prefill_seconds: Callable[[int, int], float | None] = self._seconds_at_average_rate
         self._write_until = 0.0  # time.monotonic() past which evicted blocks are not written
         self.unwritten = 0  # full blocks evicted without being written, for want of time
 
@@ -181,12 +251,12 @@ class PrefixCache:
         matched = len(chain) * bs
         rest = query[matched : matched + bs]
         best, best_n = None, 0
-        for child in children.values():
-            if chain and child.segment_id != chain[0].segment_id:
-                continue
-            n = _common(child.tokens, rest)
-            if n > best_n:
-                best, best_n = child, n
+        # A child can share at most the block's tokens but one (all of them: the walk took
+        # it), so below the minimum hit the partial block is not looked for.
+        if matched + min(len(rest), bs - 1) >= self.min_hit_tokens:
+            segment = chain[0].segment_id if chain else None
+            best, best_n = children.longest_common(
+                rest, lambda c: segment is None or c.segment_id == segment)
         disk = self._on_disk(query, len(chain), memo)
         if disk:
             best, best_n = None, 0  # the disk's full blocks go further than a partial one
@@ -215,7 +285,12 @@ class PrefixCache:
                 break
             out.append((memo[i], parent, query[i * bs : (i + 1) * bs]))
             parent = memo[i]
-        return tuple(out) if disk.worth_reading(len(out), self.prefill_rate()) else ()
+        prefill_s = self.prefill_seconds(blocks * bs, len(out) * bs) if out else None
+        return tuple(out) if disk.worth_reading(len(out), prefill_s) else ()
+
+    def _seconds_at_average_rate(self, context: int, tokens: int) -> float | None:
+        rate = self.prefill_rate()
+        return tokens / rate if rate else None
 
     # ---- insertion -------------------------------------------------------------------
     def insert(self, tokens: Seq[int], prefix: SharedPrefix) -> None:
@@ -244,15 +319,14 @@ class PrefixCache:
                 self._hold(node)
             elif node is not None:
                 surplus.append(block)
-            elif len(piece) < bs and any(c.tokens[: len(piece)] == piece for c in children.values()):
+            elif len(piece) < bs and children.starting_with(piece):
                 surplus.append(block)  # a cached block already holds these tokens
                 break
             else:
-                for sibling in [c for c in children.values() if len(c.tokens) < len(piece)
-                                and piece[: len(c.tokens)] == c.tokens and not c.children]:
+                for sibling in [c for c in children.prefixes_of(piece) if not len(c.children)]:
                     self._remove(sibling)  # a partial block this one extends
                 node = _Node(key, parent, piece, seg, block, i * bs + len(piece))
-                children[key] = node
+                children.add(node)
                 self._hold(node)
                 added.append(node)
             parent, children = node, node.children
@@ -387,7 +461,7 @@ class PrefixCache:
 
     def _evict_subtree(self, node: _Node, cause: str) -> int:
         count = 0
-        for child in list(node.children.values()):
+        for child in node.children.values():
             count += self._evict_subtree(child, cause)
         self._to_disk(node)
         self._remove(node)
@@ -403,13 +477,13 @@ class PrefixCache:
             self.disk.write(node.key, node.parent.key if node.parent else ROOT, node.tokens, arrays)
 
     def _remove_subtree(self, node: _Node) -> None:
-        for child in list(node.children.values()):
+        for child in node.children.values():
             self._remove_subtree(child)
         self._remove(node)
 
     def _remove(self, node: _Node) -> None:
         siblings = node.parent.children if node.parent is not None else self._roots
-        siblings.pop(node.key, None)
+        siblings.remove(node)
         self._lru.pop(node.key, None)
         self._release(node)
 

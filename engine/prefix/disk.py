@@ -144,16 +144,16 @@ class DiskTier:
         return self.dir / f"{key.hex()}{SUFFIX}"
 
     # ---- the decision ----------------------------------------------------------------
-    def worth_reading(self, blocks: int, prefill_tokens_per_s: float | None) -> bool:
-        """Is reading `blocks` blocks faster than prefilling their tokens? Reading speed is
-        what reads took so far (the start-up probe before any); prefill speed what the
-        engine measured. With no prefill measured yet, reading wins."""
+    def worth_reading(self, blocks: int, prefill_s: float | None) -> bool:
+        """Is reading `blocks` blocks faster than prefilling their tokens, which the caller
+        predicts takes `prefill_s` (it knows the context they attend)? Reading speed is what
+        reads took so far (the start-up probe before any). With no prefill measured yet
+        (None), reading wins."""
         if blocks <= 0:
             return False
-        if not prefill_tokens_per_s:
+        if prefill_s is None:
             return True
-        read_s = blocks * self.block_bytes / self.bytes_per_s
-        return read_s < blocks * self.block_size / prefill_tokens_per_s
+        return blocks * self.block_bytes / self.bytes_per_s < prefill_s
 
     @property
     def bytes_per_s(self) -> float:

@@ -98,7 +98,9 @@ def test_a_growing_conversation_hits_the_previous_prompt_and_answer(make_engine)
 
 def test_admission_evicts_prefixes_for_a_request_that_needs_their_memory(make_engine):
     """Cached prefixes fill the room under the ceiling; a long request that would fit on an
-    idle server is admitted by evicting them, not made to wait or refused."""
+    idle server is admitted by evicting them, not made to wait or refused. The counterfactual
+    is checked too: the same request, on a cache cleared of its entries under the same
+    ceiling, is admitted as well (the ceiling is no smaller than it needs)."""
     fresh_memory()
     guard = guard_with(1 << 40)
     h = make_engine(guard, prefill_step_size=256, kv_segment_tokens=SEGMENT, wait_timeout_s=60)
@@ -117,6 +119,15 @@ def test_admission_evicts_prefixes_for_a_request_that_needs_their_memory(make_en
     evicted = h.core.prefix_cache.stats().evictions_by_cause
     assert evicted["admission"] > 0
     assert not [d for d in guard.recent_decisions() if d.outcome.value in ("wait", "reject")]
+    first = [d for d in guard.recent_decisions() if d.request_id == "long"]
+    assert any(d.outcome.value == "evict" for d in first), first
+    h.core.prefix_cache.clear()  # no entries to evict: the idle server the request fits on
+    fresh_memory()
+    assert run(h, "long again", long) == 0
+    assert h.core.prefix_cache.stats().evictions_by_cause == evicted  # nothing was evicted for it
+    again = [d for d in guard.recent_decisions() if d.request_id == "long again"]
+    assert again and all(d.outcome.value == "admit" for d in again), again
+    assert {d.limit_bytes for d in again} == {d.limit_bytes for d in first}  # the same ceiling
 
 
 def test_a_live_segment_full_of_cached_blocks_is_reused_in_place(make_engine):

@@ -7,6 +7,7 @@ import mlx.core as mx
 
 from engine.kv import KVGeometry, KVStore
 from engine.prefix import PrefixCache
+from engine.prefix import cache as prefix_cache_module
 
 BS = 4
 
@@ -72,15 +73,31 @@ def test_a_longer_turn_extends_the_chain_and_replaces_its_partial_block():
     assert sum(seg.blocks.used for seg in s.segments.values()) == 3
 
 
-def test_a_lookup_costs_the_prompts_length_not_the_number_of_entries():
-    """Digests are computed block by block until the first miss, whatever the cache holds."""
+def test_a_lookup_costs_the_prompts_length_not_the_number_of_entries(monkeypatch):
+    """Digests are computed block by block until the first miss, whatever the cache holds;
+    the partial block looked for after a miss is compared with a few children, not with
+    every root (every cached conversation), even when many share their first tokens."""
     s = store(4096)
     cache = PrefixCache(s)
     for i in range(200):
         cached(cache, f"r{i}", [i + 1000] * 8)
+        cached(cache, f"t{i}", [5, 5, i + 1000, i + 1000, *[i + 1000] * 4])  # a shared template
+    compared: list[int] = []
+
+    def counted(a, b) -> int:
+        compared.append(1)
+        return common(a, b)
+
+    common = prefix_cache_module._common
+    monkeypatch.setattr(prefix_cache_module, "_common", counted)
     memo: list[bytes] = []
     assert cache.lookup([7] * 40, memo=memo) is None
     assert len(memo) == 1  # the first block missed: nothing else was hashed
+    assert len(compared) <= 2  # the block's neighbours in the roots' order
+    compared.clear()
+    hit = cache.lookup([5, 5, 1100, 9, *[7] * 36])
+    assert hit is not None and hit.cached_tokens == 3  # the partial block found among 200 alike
+    assert len(compared) <= 4
 
 
 def test_cap_evicts_least_recently_used_leaves_first():

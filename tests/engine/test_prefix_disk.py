@@ -4,13 +4,20 @@ damaged file, or one of another model, is removed and never loaded."""
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from engine import EngineRequest, SamplingParams, load_model
+from engine.kv import KVGeometry, KVStore
+from engine.prefix import PrefixCache
+from engine.prefix.disk import DiskTier
+from engine.prefix.keys import ROOT
+from engine.step_budget import Line
 from engine.tiny_model import TinyModelShape, build_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -126,3 +133,94 @@ def test_an_eviction_writes_for_a_bounded_time(make_engine, tmp_path, monkeypatc
     h.core.prefix_cache.evict(1 << 40)
     assert not files(tmp_path) and not len(h.core.prefix_cache)
     assert h.core.prefix_cache.stats().disk["unwritten"] == (PROMPT + 8) // 16
+
+
+# ---- the tier alone: its cap and its read-or-prefill decision ---------------------------
+BS = 4
+ROW = ((2, 8), mx.float32)
+
+
+def tier(root: Path, max_bytes: int = 1 << 30) -> DiskTier:
+    return DiskTier(root, "test", max_bytes=max_bytes, block_size=BS, row_shape=ROW, num_layers=2)
+
+
+def write(disk: DiskTier, name: int) -> bytes:
+    """One block's file, keyed and filled by `name`; its key."""
+    key = bytes([name]) * 16
+    arrays = [mx.full((BS, *ROW[0]), float(name), ROW[1]) for _ in range(4)]
+    disk.write(key, ROOT, (name,) * BS, arrays)
+    return key
+
+
+def on_disk(disk: DiskTier) -> tuple[set[bytes], int]:
+    """The keys of the folder's files, and their bytes, as the directory has them."""
+    found = list(disk.dir.glob("*.safetensors"))
+    return {bytes.fromhex(f.stem) for f in found}, sum(f.stat().st_size for f in found)
+
+
+def test_the_folder_stays_under_its_cap_least_recently_used_files_first(tmp_path):
+    first = tier(tmp_path / "size")
+    write(first, 10)
+    size = first.nbytes
+    cap = 3 * size + size // 2  # three files fit, four do not
+    disk = tier(tmp_path / "disk", cap)
+    a, b, c = (write(disk, n) for n in (11, 12, 13))
+    assert on_disk(disk)[0] == {a, b, c}
+    assert disk.read(a, ROOT, (11,) * BS) is not None  # a read makes a the most recent
+    d = write(disk, 14)
+    keys, nbytes = on_disk(disk)
+    assert keys == {a, c, d} and nbytes <= cap and disk.nbytes == nbytes  # b, least recent, went
+    e = write(disk, 15)
+    keys, nbytes = on_disk(disk)
+    assert keys == {a, d, e} and nbytes <= cap
+    # A restart under a smaller cap keeps the most recent by the files' times (a read
+    # touches its file): here d is made the oldest, so it goes first.
+    for age, key in enumerate((e, a, d)):
+        os.utime(disk.path(key), ns=(10**18 - age * 10**9, 10**18 - age * 10**9))
+    smaller = tier(tmp_path / "disk", 2 * size + size // 2)
+    keys, nbytes = on_disk(smaller)
+    assert keys == {a, e} and nbytes <= smaller.max_bytes
+
+
+def test_reading_back_is_chosen_only_when_it_is_faster_than_prefilling(tmp_path):
+    disk = tier(tmp_path)
+    disk.read_bytes_per_s = float(disk.block_bytes)  # one block a second, until reads are timed
+    assert disk.worth_reading(3, prefill_s=3.03)  # prefilling them would take a little longer
+    assert not disk.worth_reading(3, prefill_s=2.97)  # a little shorter
+    assert disk.worth_reading(3, prefill_s=None)  # no prefill measured yet: reading wins
+    assert not disk.worth_reading(0, prefill_s=10.0)
+
+
+def test_the_decision_prices_prefill_at_the_context_the_blocks_attend(tmp_path):
+    """Prefill dearer per token deep in a prompt (attention) than at its start: the same
+    blocks on disk are worth reading after 16 cached tokens, not after none."""
+    store = KVStore(KVGeometry(2, 2, 8, mx.float32), block_size=BS, segment_tokens=64)
+    cache = PrefixCache(store)
+    cache.disk = tier(tmp_path)
+    tokens = list(range(100, 124))  # six full blocks
+
+    def cached(rid: str, n: int) -> None:
+        store.reserve(rid, n + 1)
+        store.advance(rid, n)
+        cache.insert(tokens[:n], store.hold_prefix(rid, n))
+        store.release(rid)
+
+    cached("a", 24)
+    cache.evict_lru(len(cache), cause="cap")  # all six blocks go to disk
+    line = Line(per_token_s=0.0, per_context_s=1e-3)
+    cache.prefill_seconds = lambda context, n: line.seconds(context, n)
+    # Reading a block takes 64 ms; prefilling it costs 48 ms a block over blocks 0-5 (context
+    # 0-24) and 80 ms a block over blocks 4-5 (context 16-24).
+    cache.disk.read_bytes_per_s = cache.disk.block_bytes / 0.064
+    assert cache.lookup([*tokens, 7]) is None  # cheaper to prefill from the start
+    cached("b", 16)  # blocks 0-3 back in memory
+    hit = cache.lookup([*tokens, 7])
+    assert hit is not None and hit.cached_tokens == 24 and len(hit.disk) == 2
+
+
+def test_the_engine_prices_prefill_by_its_fitted_cost_line(make_engine, tmp_path):
+    h = make_engine(prefill_step_size=128, prefix_cache_dir=str(tmp_path))
+    run(h, "a", prompt(1))
+    line = h.core.step_budget.cost.line
+    assert line is not None
+    assert h.core.prefix_cache.prefill_seconds(4096, 64) == line.seconds(4096, 64)

@@ -62,6 +62,19 @@ def test_memory_shows_the_prefix_cache(server):
     assert prefix["budget_bytes"] >= prefix["bytes"]
 
 
+def test_cached_tokens_sum_over_a_completions_prompts_as_prompt_tokens_do(server):
+    texts = [f"usage {i}: " + "a list of prompts, each cached. " * 10 for i in range(2)]
+    for text in texts:  # each prompt alone first: both cached
+        post(server.url, "/v1/completions", {"prompt": text, "max_tokens": 1, "temperature": 0})
+    both = post(server.url, "/v1/completions", {"prompt": texts, "max_tokens": 1, "temperature": 0})["usage"]
+    assert both["prompt_tokens"] == sum(len(t) for t in texts)  # one token a character here
+    cached = both["prompt_tokens_details"]["cached_tokens"]
+    assert sum(len(t) - 2 * BLOCK for t in texts) <= cached <= both["prompt_tokens"]
+    # n choices of one prompt share it: its tokens count once, cached ones too.
+    one = post(server.url, "/v1/completions", {"prompt": texts[0], "n": 2, "max_tokens": 1})["usage"]
+    assert len(texts[0]) - 2 * BLOCK <= one["prompt_tokens_details"]["cached_tokens"] <= one["prompt_tokens"]
+
+
 def test_a_restarted_server_reads_the_prefix_back_from_disk(start_server, tmp_path):
     args = ["--prefix-cache-dir", str(tmp_path / "prefixes")]
     first = start_server(args=args)
