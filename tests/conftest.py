@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -22,6 +24,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_port_run(count: int = 8) -> int:
+    """The first of `count` consecutive free ports, below Linux's ephemeral range (32768 up),
+    for a tensor-parallel group whose ranks listen on the port and the ones after it: a
+    port `free_port` gave is in that range, where the suite's own client connections take
+    the next ports at any moment (a rank then failed with "[ring] Couldn't bind socket
+    (error: 98)")."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 32768 - count)
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(base, base + count):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no run of {count} free ports below 32768")
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 60.0) -> None:

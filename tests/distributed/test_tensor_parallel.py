@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import MODEL, ServerProcess, free_port, wait_until
+from tests.conftest import MODEL, ServerProcess, free_port_run, wait_until
 
 pytestmark = pytest.mark.slow  # several processes per test
 
@@ -32,7 +32,7 @@ PROMPT = "The quick brown fox"
 
 def tp_server(model: Path, tmp_path: Path, *, env: dict[str, str] | None = None,
               args: list[str] | None = None) -> ServerProcess:
-    args = ["--tensor-parallel", "2", "--tp-port", str(free_port()), *(args or [])]
+    args = ["--tensor-parallel", "2", "--tp-port", str(free_port_run()), *(args or [])]
     return ServerProcess(model, env=env or {}, args=args).start(tmp_path, timeout=120)
 
 
