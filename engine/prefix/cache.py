@@ -349,7 +349,7 @@ class PrefixCache:
     def evict(self, nbytes: int, protect: frozenset[ChainKey] = frozenset(), *,
               cause: str = "admission") -> int:
         """Free `nbytes` of device memory: the least recently used segments that only the
-        cache holds (never one holding a protected chain) go whole, leaves first. Returns
+        cache holds (never one holding a protected chain) go whole. Returns
         the bytes freed."""
         if nbytes <= 0:
             return 0
@@ -365,7 +365,8 @@ class PrefixCache:
             if freed >= nbytes:
                 break
             before = self.store.pool_bytes()
-            for node in [n for n in self._lru.values() if n.segment_id == sid]:
+            # The whole segment goes: from its chains' heads, which are written first.
+            for node in [n for n in reversed(self._lru.values()) if n.segment_id == sid]:
                 if node.key in self._lru:
                     self._evict_subtree(node, cause)
             freed += before - self.store.pool_bytes()
@@ -418,15 +419,24 @@ class PrefixCache:
                 self._remove_subtree(node)
 
     def spill(self, deadline: float | None = None) -> int:
-        """Write every full block still in memory to the disk tier, least recently used
-        first (the disk keeps the most recent when it is full), until `deadline`
-        (time.monotonic()). Returns the blocks written."""
+        """Write the full blocks still in memory to the disk tier until `deadline`
+        (time.monotonic()), as many as the tier holds: the most recently used chains first,
+        each block after the block it extends, since a lookup after a restart walks from a
+        prompt's first block and a block without its parent is never reached. The files then
+        take the cache's recency order, so the tier's cap drops the least recently used
+        leaves first. Returns the blocks written."""
         if self.disk is None:
             return 0
         before = self.disk.written
         self._write_until = float("inf") if deadline is None else deadline
-        for node in list(self._lru.values()):
+        room = self.disk.max_bytes // max(self.disk.block_bytes, 1)
+        for node in reversed(self._lru.values()):  # parents before children (see `_lru`)
+            if room <= 0:
+                break
             self._to_disk(node)
+            room -= 1
+        for node in self._lru.values():
+            self.disk.freshen(node.key)
         return self.disk.written - before
 
     def stats(self) -> PrefixCacheStats:
@@ -460,10 +470,15 @@ class PrefixCache:
         return {self._lru[k].segment_id for k in self._pinned_keys(protect)}
 
     def _evict_subtree(self, node: _Node, cause: str) -> int:
+        # Written before its children, so writes cut short by their time leave a chain's
+        # head, which a later lookup can use; then made newer than them on disk, so the
+        # tier's cap drops the leaves first.
+        self._to_disk(node)
         count = 0
         for child in node.children.values():
             count += self._evict_subtree(child, cause)
-        self._to_disk(node)
+        if self.disk is not None:
+            self.disk.freshen(node.key)
         self._remove(node)
         self.evicted[cause] += 1
         return count + 1

@@ -215,6 +215,12 @@ class DiskTier:
         os.utime(path)  # recency survives a restart
         return arrays
 
+    def freshen(self, key: ChainKey) -> None:
+        """Make a file the most recently used, here and in its time (which a restart reads)."""
+        if key in self._files:
+            self._files.move_to_end(key)
+            os.utime(self.path(key))
+
     def remove(self, key: ChainKey) -> None:
         self._bytes -= self._files.pop(key, 0)
         self.path(key).unlink(missing_ok=True)

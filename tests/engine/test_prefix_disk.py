@@ -8,6 +8,7 @@ import os
 import random
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -133,6 +134,40 @@ def test_an_eviction_writes_for_a_bounded_time(make_engine, tmp_path, monkeypatc
     h.core.prefix_cache.evict(1 << 40)
     assert not files(tmp_path) and not len(h.core.prefix_cache)
     assert h.core.prefix_cache.stats().disk["unwritten"] == (PROMPT + 8) // 16
+
+
+@pytest.mark.parametrize("how", ["spill", "evict"])
+def test_writes_cut_short_by_time_leave_the_head_of_a_chain(make_engine, tmp_path, monkeypatch, how):
+    """A lookup after a restart walks from a prompt's first block, so a block on disk is
+    of use only when the blocks before it are too: writes cut short by their time must
+    have written a chain's head, not its tail."""
+    h = make_engine(prefill_step_size=128, prefix_cache_dir=str(tmp_path))
+    run(h, "a", prompt(1))
+    ticks = iter(range(1_000_000))  # a clock that moves one tick each time it is read
+    monkeypatch.setattr("engine.prefix.cache.time", SimpleNamespace(monotonic=lambda: next(ticks)))
+    monkeypatch.setattr("engine.prefix.cache.EVICT_WRITE_S", 4)
+    if how == "spill":
+        h.core.prefix_cache.spill(deadline=4)
+    else:
+        h.core.prefix_cache.evict(1 << 40)
+    parents = {}
+    for f in files(tmp_path):
+        parents[bytes.fromhex(f.stem)] = bytes.fromhex(mx.load(str(f), return_metadata=True)[1]["parent"])
+    assert 0 < len(parents) < (PROMPT + 8) // 16  # the time ran out part of the way
+    assert all(parent == ROOT or parent in parents for parent in parents.values())
+    again = make_engine(prefill_step_size=128, prefix_cache_dir=str(tmp_path))
+    assert run(again, "b", prompt(1))[1] == 16 * len(parents)  # every block written is read back
+
+
+def test_a_chain_spilled_to_a_full_tier_loses_its_leaves_first(make_engine, tmp_path):
+    """At shutdown the tier keeps what it holds of the most recent chain, from its head."""
+    h = make_engine(prefill_step_size=128, prefix_cache_dir=str(tmp_path))
+    run(h, "a", prompt(1))
+    disk = h.core.prefix_cache.disk
+    disk.max_bytes = 5 * disk.block_bytes + disk.block_bytes // 2  # five of its 13 blocks fit
+    assert h.core.prefix_cache.spill() == 5
+    again = make_engine(prefill_step_size=128, prefix_cache_dir=str(tmp_path))
+    assert run(again, "b", prompt(1))[1] == 5 * 16
 
 
 # ---- the tier alone: its cap and its read-or-prefill decision ---------------------------
