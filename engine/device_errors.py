@@ -13,6 +13,8 @@ The messages, as MLX 0.32 raises them:
 - Metal and the CPU, an allocation refused up front: ``[malloc] Unable to allocate N bytes.``
 - Metal, a buffer above the device's largest: ``[metal::malloc] Attempting to allocate N
   bytes which is greater than the maximum allowed buffer size of M bytes.``
+- Metal, the allocator's buffer count at the device's resource limit (cached buffers count,
+  so clearing MLX's cache frees them): ``[metal::malloc] Resource limit (N) exceeded.``
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ OUT_OF_MEMORY_PATTERNS: tuple[re.Pattern[str], ...] = tuple(
         r"kIOGPUCommandBufferCallbackErrorOutOfMemory",
         r"\[malloc\] unable to allocate",
         r"\[metal::malloc\] attempting to allocate .* greater than the maximum allowed buffer size",
+        r"\[metal::malloc\] resource limit \(\d+\) exceeded",
     )
 )
 

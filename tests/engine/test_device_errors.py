@@ -13,6 +13,7 @@ OUT_OF_MEMORY = [
     "[malloc] Unable to allocate 34359738368 bytes.",
     "[metal::malloc] Attempting to allocate 90000000000 bytes which is greater than the maximum "
     "allowed buffer size of 77309411328 bytes.",
+    "[metal::malloc] Resource limit (499000) exceeded.",
 ]
 
 NOT_MEMORY = [
