@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
 
+from engine import EngineConfig, LoadedModel
+from engine.client import EngineClient
 from engine.device_report import device_report
+from memory import MemoryGuard
+from memory.probes.allocator import AllocatorProbe
 
 
 def fake_mx(*, metal: bool, cuda: bool = False, gpu_fails: str | None = None) -> Any:
@@ -46,3 +52,18 @@ def test_metal_available_but_failing() -> None:
 def test_no_metal() -> None:
     report = device_report(fake_mx(metal=False, cuda=True))
     assert report.backend == "cuda" and report.describe().endswith("Metal not available")
+
+
+def test_the_engine_logs_its_device_at_start(tiny_loaded: LoadedModel, caplog) -> None:
+    async def run() -> None:
+        client = EngineClient(load=lambda: tiny_loaded, guard=MemoryGuard(AllocatorProbe(), enabled=False),
+                              config=EngineConfig(), max_queue=4)
+        await client.start()
+        await client.shutdown(1.0)
+
+    with caplog.at_level(logging.INFO, logger="mlx_headroom.engine"):
+        asyncio.run(run())
+    lines = [r for r in caplog.records if r.getMessage().startswith("MLX: device ")]
+    assert len(lines) == 1, [r.getMessage() for r in caplog.records]
+    assert lines[0].getMessage() == "MLX: " + device_report().describe()
+    assert lines[0].device["metal_usable"] == device_report().metal_usable  # type: ignore[attr-defined]

@@ -71,6 +71,18 @@ def test_a_model_that_cannot_load_is_recorded_and_exits_zero(tmp_path: Path):
     assert found.reason and found.reason != "the server did not start"
 
 
+def test_a_model_that_does_not_fit_is_recorded_and_exits_zero(tmp_path: Path):
+    # the tiny preset under a 25 MB ceiling (the allocator probe): load admission refuses it
+    record = tmp_path / "last-fatal.json"
+    r = serve("--model", "tiny", "--load-format", "dummy", "--memory-probe", "allocator",
+              "--memory-tier", "custom", "--memory-ceiling-bytes", "25000000",
+              "--port", str(free_port()), "--fatal-file", str(record))
+    assert r.returncode == 0, r.stderr[-3000:]
+    found = fatal.read(record)
+    assert found is not None and found.exit_code == cli.EXIT_DOES_NOT_FIT, r.stderr[-3000:]
+    assert "does not fit" in found.reason
+
+
 def test_a_port_in_use_is_restarted_by_both_supervisors(tmp_path: Path):
     assert cli.EXIT_PORT_IN_USE == 5 and cli.EXIT_PORT_IN_USE not in cli.CONFIGURATION_ERRORS
     spec = ServiceSpec(program=("/bin/mlx-headroom",), serve_args=(), env_file=tmp_path / "env")
