@@ -11,9 +11,10 @@ The agents' own prompts are trimmed (Codex's instructions file and features, Cla
 `--bare`, `--system-prompt` and `--tools`): the tiny model's byte tokenizer makes their full
 prompts 40k+ tokens, which a 2-core CPU prefills for minutes.
 
-Run when both CLIs are installed under $MLX_HEADROOM_AGENTS_CLI (default /tmp/agents-cli):
+Run when both CLIs are installed under $MLX_HEADROOM_AGENTS_CLI (default /tmp/agents-cli;
+the versions .ci/run installs):
 
-    npm install --prefix /tmp/agents-cli @openai/codex @anthropic-ai/claude-code
+    npm install --prefix /tmp/agents-cli @openai/codex@0.171.0 @anthropic-ai/claude-code@2.1.197
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from tests.server.scripted import EOS, ScriptedModel, build_thinking_model, scri
 
 PREFIX = Path(os.environ.get("MLX_HEADROOM_AGENTS_CLI", "/tmp/agents-cli"))
 BIN = PREFIX / "node_modules" / ".bin"
-INSTALL = f"npm install --prefix {PREFIX} @openai/codex @anthropic-ai/claude-code"
+INSTALL = f"npm install --prefix {PREFIX} @openai/codex@0.171.0 @anthropic-ai/claude-code@2.1.197"
 MODEL = "local-coder"
 THOUGHT = "The user greets me."
 ANSWER = "Hi from the tiny model."

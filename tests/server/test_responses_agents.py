@@ -62,6 +62,10 @@ def test_codex_shaped_requests_stream_to_completed(server, path):
     response = check_sequence(stream(server.url, body))
     assert response["status"] == "completed" and response["output"][0]["type"] == "message"
     json.loads(response["output"][0]["content"][0]["text"])
+    # What was skipped is logged by name, never the prompt's text.
+    lines = [line for line in server.log().splitlines() if "/v1/responses: ignored" in line]
+    assert any("tool:web_search" in line and "field:prompt_cache_key" in line for line in lines), lines
+    assert not any(body["instructions"][:30] in line for line in lines)
 
 
 def test_a_forced_namespaced_call_carries_its_namespace_and_works_as_history(server):
