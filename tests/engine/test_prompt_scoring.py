@@ -94,6 +94,7 @@ def test_a_prompt_in_the_prefix_cache_is_still_scored_whole(scoring_engine, tiny
     assert h.out.cached["hit"] > 0  # the cache does hold the prompt
     h.submit(EngineRequest("scored", prompt, 0, SamplingParams(temperature=0.0), prompt_logprobs=1))
     h.run_until(lambda: "scored" in h.out.finished)
+    assert h.out.cached["scored"] == 0  # as documented: the cached part is recomputed
     _check(_scores(h, "scored"), prompt, _reference(tiny_loaded.model, prompt), top=1)
 
 
@@ -105,3 +106,22 @@ def test_a_prefixs_scores_are_the_same_inside_a_longer_prompt(scoring_engine):
         h.run_until(lambda rid=rid: rid in h.out.finished)
     short, long = _scores(h, "short"), _scores(h, "long")
     assert [e.logprob for e in short[1:]] == pytest.approx([e.logprob for e in long[1:40]], abs=1e-4)
+
+
+def test_scoring_costs_no_second_forward_pass(scoring_engine, tiny_loaded, monkeypatch):
+    """Each prompt position goes through the model once, as an unscored prefill's would:
+    the scores are read from the prefill's own logits."""
+    h = scoring_engine(prefill_step_size=64)
+    fed: list[int] = []
+    forward = type(tiny_loaded.model).__call__
+
+    def counted(self, inputs, *args, **kwargs):
+        fed.append(inputs.shape[-1])
+        return forward(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(type(tiny_loaded.model), "__call__", counted)
+    prompt = _prompt(5, 150)
+    h.submit(EngineRequest("s", prompt, 0, SamplingParams(temperature=0.0), prompt_logprobs=2))
+    h.run_until(lambda: "s" in h.out.finished)
+    assert len(_scores(h, "s")) == len(prompt)
+    assert fed == [64, 64, 21]  # the prompt but its last token, whose logits score nothing

@@ -253,6 +253,7 @@ def test_openai_python_all_params_completion_is_served(fim_server, stream):
     with pytest.raises(Exception) as bad:
         refused(**{**body, "logit_bias": {"foo": 0}})
     assert bad.value.status_code == 400 and bad.value.body["param"] == "logit_bias"
+    assert "'foo'" in bad.value.body["message"]  # the message names the key
     out = client.completions.create(**body, logit_bias={"0": 0})
     if not stream:
         text = out.choices[0].text

@@ -66,6 +66,17 @@ def test_echo_then_generated_tokens_continue_the_offsets(server):
     assert all(len(t) == 1 for t in lp["top_logprobs"][1:])  # logprobs 0: the sampled token alone
 
 
+def test_sampled_tokens_are_among_their_top_logprobs(server):
+    """OpenAI's `top_logprobs`: up to `logprobs` alternatives plus the sampled token, which a
+    hot temperature often picks from outside the top one."""
+    out = _complete(server, prompt="hello", max_tokens=24, logprobs=1, temperature=2.0, seed=3)
+    lp = out["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 24
+    for token, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert top[token] == pytest.approx(value, abs=1e-6) and 1 <= len(top) <= 2
+    assert any(len(top) == 2 for top in lp["top_logprobs"])  # some sampled token was not the best
+
+
 def test_token_id_prompts_in_a_list_are_scored_each(server, reference):
     tokenizer, score = reference
     batch = [tokenizer.encode("hello world"), tokenizer.encode(PROMPT)]
