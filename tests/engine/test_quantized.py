@@ -78,3 +78,44 @@ def test_quantized_greedy_output_is_mlx_lms_alone_and_batched(make_engine, quant
     h.run_until(lambda: len(h.out.finished) == len(PROMPTS))
     assert h.core.stats.max_batch == len(PROMPTS)
     assert h.out.tokens == expected
+
+
+def test_a_tied_quantized_head_multiplies_rows_and_changes_no_token(make_engine, monkeypatch):
+    """A tied model's output head is its quantized embedding (`embed_tokens.as_linear`, tiny
+    qwen2 at 8 bits, group 64): flattened like the projections, token for token mlx-lm's."""
+    import mlx.nn as nn
+
+    from engine.quantized import FlatQuantizedEmbedding, flatten_quantized
+    from tests.engine import tiny_archs
+    from tests.engine.test_quantized_moe import _loaded
+    from tests.engine.test_quantized_moe import _mlx_lm_greedy as greedy
+    from tests.engine.test_quantized_moe import _prompt as vocab_prompt
+
+    def quantized_qwen2():
+        model = tiny_archs.build("qwen2")
+        nn.quantize(model, group_size=64, bits=8)
+        mx.eval(model.parameters())
+        return model
+
+    expected = {f"q{i}": greedy(quantized_qwen2(), vocab_prompt(i, n), m) for i, (n, m) in enumerate(PROMPTS)}
+    served = quantized_qwen2()
+    flatten_quantized(served)
+    assert served.args.tie_word_embeddings and isinstance(served.model.embed_tokens, FlatQuantizedEmbedding)
+    h = make_engine(loaded=_loaded(served, "qwen2-8bit"), prefix_cache_bytes=0)
+    for i, (n, m) in enumerate(PROMPTS):
+        h.submit(EngineRequest(f"q{i}", vocab_prompt(i, n), m, SamplingParams(temperature=0.0)))
+    h.run_until(lambda: len(h.core.batch.seqs) == len(PROMPTS))
+    seen: list[tuple[tuple[int, ...], int]] = []
+    original = mx.quantized_matmul
+
+    def spy(x, w, *args, **kwargs):
+        seen.append((tuple(x.shape), w.shape[0]))
+        return original(x, w, *args, **kwargs)
+
+    monkeypatch.setattr(mx, "quantized_matmul", spy)
+    h.step()  # a decode step of all three rows
+    monkeypatch.undo()
+    assert all(len(shape) == 2 for shape, _ in seen), seen
+    assert ((len(PROMPTS), 64), tiny_archs.VOCAB) in seen  # the head, on one row per sequence
+    h.run_until(lambda: len(h.out.finished) == len(PROMPTS))
+    assert h.out.tokens == expected
