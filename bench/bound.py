@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, CacheList, make_prompt_cache
 
 from engine.dummy_model import build_dummy_model, dummy_config
 
@@ -46,11 +46,25 @@ def _prefill_s(model: Any, batch: int, tokens: int, chunk: int) -> float:
         start = time.perf_counter()
         for s in range(0, tokens, chunk):
             model(x[:, s:s + chunk], cache=cache)
-            mx.eval([(c.keys, c.values) for c in cache])
+            mx.eval([c.state for c in cache])
         runs.append(time.perf_counter() - start)
         del cache
         mx.clear_cache()
     return min(runs[1:])
+
+
+def _repeat_rows(cache: Any, batch: int) -> None:
+    """One row's cache as `batch` equal rows: keys and values (full or window layers), or
+    a recurrent layer's conv window and state (`ArraysCache`), or each child of a `CacheList`."""
+    if isinstance(cache, CacheList):
+        for child in cache.caches:
+            _repeat_rows(child, batch)
+    elif isinstance(cache, ArraysCache):
+        cache.cache = [None if a is None else mx.repeat(a, batch, axis=0) for a in cache.cache]
+    else:
+        n = cache.offset
+        cache.keys = mx.repeat(cache.keys[..., :n, :], batch, axis=0)
+        cache.values = mx.repeat(cache.values[..., :n, :], batch, axis=0)
 
 
 def _decode_step_s(model: Any, batch: int, context: int, steps: int) -> float:
@@ -58,12 +72,10 @@ def _decode_step_s(model: Any, batch: int, context: int, steps: int) -> float:
     one = mx.random.randint(0, 200, (1, context)).astype(mx.uint32)
     for s in range(0, context, 2048):
         model(one[:, s:s + 2048], cache=cache)
-        mx.eval([(c.keys, c.values) for c in cache])
+        mx.eval([c.state for c in cache])
     for c in cache:  # the same context for every row: no padding, no mask
-        n = c.offset
-        c.keys = mx.repeat(c.keys[..., :n, :], batch, axis=0)
-        c.values = mx.repeat(c.values[..., :n, :], batch, axis=0)
-    mx.eval([(c.keys, c.values) for c in cache])
+        _repeat_rows(c, batch)
+    mx.eval([c.state for c in cache])
     y = mx.zeros((batch,), mx.uint32)
     for _ in range(3):
         y = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1).astype(mx.uint32)
