@@ -105,6 +105,19 @@ def markdown(data: dict[str, Any]) -> str:
             "TTFT cold / memory hit / disk hit ms (disk/cold)",
             each(disk, lambda v: _times(v, ("cold_ttft_ms", "memory_hit_ttft_ms", "disk_hit_ttft_ms"),
                                         "disk_over_cold")))
+    if interference := sc.get("interference", {}):
+        goals = next((v["goals"] for v in interference.values()
+                      if isinstance(v, dict) and v.get("goals")), {})
+        label = (f"interference, {sizes.get('interference_concurrency')} streams × "
+                 f"{sizes.get('prompt_tokens')} tokens, one of {sizes.get('interference_long_tokens')}")
+        row(label, f"streams' ITL p99 ms alone / beside the long prefill (goal ≤ {goals.get('itl_ms_p99')})",
+            each(interference, lambda v: f"{_fmt((v.get('alone') or {}).get('itl_ms_p99'))} / "
+                                         f"{_fmt(v.get('itl_ms_p99'))}"))
+        row(label, f"late short request's TTFT ms (goal ≤ {goals.get('late_short_ttft_ms')})",
+            each(interference, lambda v: _fmt(v.get("late_short_ttft_ms"), 0)))
+        row(label, f"long prompt's TTFT / idle ms (ratio, goal ≤ {goals.get('long_ttft_over_idle')})",
+            each(interference, lambda v: _times(v, ("long_ttft_ms", "long_idle_ttft_ms"),
+                                                "long_ttft_over_idle")))
     pressure = sc.get("overload") or sc.get("pressure") or {}
     if pressure:
         ceiling = data.get("settings", {}).get("pressure_ceiling_bytes")

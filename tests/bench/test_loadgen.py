@@ -52,6 +52,17 @@ def test_table_renders_a_results_file() -> None:
             "scenarios": {"throughput": {"ours": [point], "mlx_lm": [point]}}}
     text = markdown(json.loads(json.dumps(data)))
     assert "| throughput C=1, P=8, T=None | output tok/s | 10.0 | 10.0 |" in text
+    interference = {"itl_ms_p99": 120.0, "alone": {"itl_ms_p99": 9.0}, "late_short_ttft_ms": 80.0,
+                    "long_ttft_ms": 1100.0, "long_idle_ttft_ms": 1000.0, "long_ttft_over_idle": 1.1,
+                    "goals": {"itl_ms_p99": 150.0, "late_short_ttft_ms": 500.0, "long_ttft_over_idle": 1.2}}
+    data["scenarios"] = {"interference": {"ours": interference}}
+    data["settings"]["sizes"] |= {"interference_concurrency": 8, "interference_long_tokens": 100}
+    text = markdown(json.loads(json.dumps(data)))
+    label = "| interference, 8 streams × 8 tokens, one of 100 |"
+    itl = "streams' ITL p99 ms alone / beside the long prefill (goal ≤ 150.0)"
+    assert f"{label} {itl} | 9.0 / 120.0 |" in text
+    assert f"{label} late short request's TTFT ms (goal ≤ 500.0) | 80 |" in text
+    assert f"{label} long prompt's TTFT / idle ms (ratio, goal ≤ 1.2) | 1,100 / 1,000 (1.100) |" in text
 
 
 def test_steady_tpot_counts_only_the_gaps_while_every_request_decodes() -> None:
