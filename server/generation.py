@@ -64,12 +64,21 @@ class Prepared:
     def prompts(self) -> list[tuple[int, ...]]:
         return [tuple(self.prompt_tokens), *self.more_prompts]
 
+    def clamped_to(self) -> int | None:
+        """N when the request's max_tokens was lowered to N (the context's room or the cap)."""
+        requested = self.requested_max_tokens
+        return self.max_tokens if requested is not None and self.max_tokens < requested else None
+
     def headers(self) -> dict[str, str]:
         """`x-max-tokens-clamped: N` when the request's max_tokens was lowered to N."""
-        requested = self.requested_max_tokens
-        if requested is not None and self.max_tokens < requested:
-            return {CLAMPED_HEADER: str(self.max_tokens)}
-        return {}
+        clamped = self.clamped_to()
+        return {} if clamped is None else {CLAMPED_HEADER: str(clamped)}
+
+    def usage_note(self) -> dict[str, int]:
+        """What the usage adds when max_tokens was lowered, on every API: the value used, so
+        a client that reads only the body (a streamed Responses event, an SDK) sees it too."""
+        clamped = self.clamped_to()
+        return {} if clamped is None else {"max_tokens_clamped": clamped}
 
 
 def prepare(
@@ -272,6 +281,7 @@ class Generation:
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
+            **self.prepared.usage_note(),
         }
 
 

@@ -21,6 +21,7 @@ def usage(generation: Generation) -> dict[str, int]:
         "output_tokens": choice.text.completion_tokens,
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": choice.cached_tokens,
+        **generation.prepared.usage_note(),
     }
 
 

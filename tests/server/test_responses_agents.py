@@ -127,10 +127,13 @@ def test_an_image_only_turn_is_refused_in_the_responses_error_shape(server):
     assert "image" in error["message"]
 
 
-def _clamped(r: httpx.Response) -> int:
-    """The max_tokens the server used, from `x-max-tokens-clamped`: the context's room."""
+def _clamped(r: httpx.Response, usage: dict | None = None) -> int:
+    """The max_tokens the server used, from `x-max-tokens-clamped`: the context's room; the
+    usage names it too."""
     used = int(r.headers["x-max-tokens-clamped"])
     assert 7000 < used < 8192
+    if usage is not None:
+        assert usage["max_tokens_clamped"] == used, usage
     return used
 
 
@@ -142,23 +145,24 @@ def test_an_oversized_max_tokens_is_clamped_on_all_three_apis(server):
         "model": MODEL, "messages": ask, "max_tokens": 32000,
         "response_format": {"type": "json_schema", "json_schema": {"name": "done", "schema": SCHEMA}}})
     assert r.status_code == 200, r.text
-    assert _clamped(r) == 8192 - r.json()["usage"]["prompt_tokens"]
+    assert _clamped(r, r.json()["usage"]) == 8192 - r.json()["usage"]["prompt_tokens"]
     r = httpx.post(server.url + "/v1/responses", timeout=120, json={
         "model": MODEL, "input": "Hi", "max_output_tokens": 32000, "text": ENDS})
     assert r.status_code == 200 and r.json()["status"] == "completed", r.text
-    _clamped(r)
+    _clamped(r, r.json()["usage"])
     tool = {"name": "done", "input_schema": SCHEMA}
     body = {"model": MODEL, "messages": ask, "max_tokens": 32000, "tools": [tool],
             "tool_choice": {"type": "tool", "name": "done", "disable_parallel_tool_use": True}}
     r = httpx.post(server.url + "/v1/messages", timeout=120, json=body)
     assert r.status_code == 200, r.text
-    _clamped(r)
+    _clamped(r, r.json()["usage"])
     with httpx.stream("POST", server.url + "/v1/messages", timeout=120, json={**body, "stream": True}) as s:
         assert s.status_code == 200
         _clamped(s)
     r = httpx.post(server.url + "/v1/chat/completions", timeout=120,
                    json={"model": MODEL, "messages": ask, "max_tokens": 2})
     assert "x-max-tokens-clamped" not in r.headers  # room enough: nothing to say
+    assert "max_tokens_clamped" not in r.json()["usage"]
 
 
 def test_only_a_prompt_that_does_not_fit_is_refused_with_its_size(server):
