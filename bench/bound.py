@@ -15,6 +15,10 @@ No server, no engine, no KV store: mlx-lm's model with its own contiguous `KVCac
 - **Bound** for C concurrent requests: C·P tokens at the best prefill rate, plus
   T decode steps at batch C; a point of R requests runs ceil(R / C) such waves. Output
   tokens over that time is the bound in tokens/s.
+- **Physical bound** (`physical`, on the cards in `PEAKS`): the same waves at the card's
+  datasheet peaks, a decode step reading the weights and the batch's KV at its HBM
+  bandwidth and a prompt token costing 2 × parameters FLOPs at its dense bf16 rate;
+  `python -m bench table` prints each figure's fraction of it.
 
 Prints one JSON object (bench/run.py stores it beside the throughput points; the summary's
 `bare` rows are these bounds).
@@ -127,6 +131,42 @@ def bound(b: dict[str, Any], concurrency: int, requests: int) -> dict[str, float
     return {"bound_s": round(total, 3), "bound_tok_s": round(requests * b["max_tokens"] / total, 2),
             "bound_prefill_s": round(prefill_s, 3), "bound_decode_step_ms": round(step * 1e3, 3),
             "bound_ttft_p50_s": round(prefill_s / 2, 3)}
+
+
+# The card's datasheet peaks, by a part of its name: HBM bytes/s, dense bf16 tensor FLOP/s.
+PEAKS = (("H200", 4.8e12, 989e12), ("H100", 3.35e12, 989e12))
+
+
+def physical(data: dict[str, Any]) -> dict[str, float] | None:
+    """A run's physical bound inputs (the card's peaks, the weights' bytes and parameters, KV
+    bytes per token), or None off the cards in PEAKS or on quantized weights."""
+    from memory.estimate import geometry_from_config
+
+    name = ((data.get("machine") or {}).get("device_info") or {}).get("device_name") or ""
+    peak = next(((bw, flops) for part, bw, flops in PEAKS if part in name), None)
+    model, config = data.get("model") or {}, data.get("model_config") or {}
+    width = {"bfloat16": 2, "float16": 2, "float32": 4}.get(str(model.get("dtype")))
+    if peak is None or width is None or not model.get("weight_bytes") or not config:
+        return None
+    kv = geometry_from_config(config, dtype_bytes=width).kv_bytes_per_token
+    return {"bytes_per_s": peak[0], "flops": peak[1], "weight_bytes": model["weight_bytes"],
+            "params": model["weight_bytes"] / width, "kv_bytes_per_token": kv}
+
+
+def physical_tok_s(phys: dict[str, float], *, prompt_tokens: int, max_tokens: int, concurrency: int,
+                   requests: int) -> float:
+    """Output tok/s at the card's peaks: ceil(R / C) waves of C·P prompt tokens at 2 ×
+    parameters FLOPs each, then T decode steps that each read the weights and the batch's KV
+    at the decode's middle (P + T/2 tokens a row)."""
+    prefill_s = concurrency * prompt_tokens * prefill_flops_per_token(phys) / phys["flops"]
+    kv_bytes = concurrency * (prompt_tokens + max_tokens / 2) * phys["kv_bytes_per_token"]
+    step_bytes = phys["weight_bytes"] + kv_bytes
+    wave_s = prefill_s + max_tokens * step_bytes / phys["bytes_per_s"]
+    return requests * max_tokens / (math.ceil(requests / concurrency) * wave_s)
+
+
+def prefill_flops_per_token(phys: dict[str, float]) -> float:
+    return 2 * phys["params"]
 
 
 def main() -> None:

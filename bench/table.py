@@ -8,6 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.bound import physical, physical_tok_s, prefill_flops_per_token
+
 NAMES = {"ours": "mlx-headroom", "mlx_lm": "mlx_lm.server"}
 
 
@@ -63,10 +65,16 @@ def markdown(data: dict[str, Any]) -> str:
     tp = sc.get("throughput", {})
     concurrencies = sorted({p["concurrency"] for s in servers for p in (tp.get(s) or [])
                             if isinstance(p, dict) and "concurrency" in p})
+    phys = physical(data)
     for c in concurrencies:
         label = f"throughput C={c}, P={sizes.get('prompt_tokens')}, T={sizes.get('max_tokens')}"
         points = {s: next((p for p in (tp.get(s) or []) if p.get("concurrency") == c), {}) for s in servers}
-        row(label, "output tok/s", [_fmt(points[s].get("output_tok_s")) for s in servers])
+        limit = {s: physical_tok_s(phys, prompt_tokens=sizes["prompt_tokens"], max_tokens=sizes["max_tokens"],
+                                   concurrency=c, requests=points[s]["requests"])
+                 if phys and points[s].get("requests") else None for s in servers}
+        row(label, "output tok/s (÷ physical bound)",
+            [_fmt(points[s].get("output_tok_s")) + _share(points[s].get("output_tok_s"), limit[s])
+             for s in servers])
         row(label, "TTFT p50 / p95 ms", [f"{_fmt(points[s].get('ttft_ms_p50'), 0)} / "
                                         f"{_fmt(points[s].get('ttft_ms_p95'), 0)}" for s in servers])
         row(label, "TPOT p50 / p95 ms", [f"{_fmt(points[s].get('tpot_ms_p50'))} / "
@@ -90,6 +98,18 @@ def markdown(data: dict[str, Any]) -> str:
         return [cell(by_server[s]) if isinstance(by_server.get(s), dict) and "error" not in by_server[s]
                 else "–" for s in servers]
 
+    lengths = sorted({p["prompt_tokens"] for v in (sc.get("prefill") or {}).values() if isinstance(v, list)
+                      for p in v if isinstance(p, dict) and p.get("prompt_tokens")})
+    for n in lengths:
+        points = {s: next((p for p in (sc["prefill"].get(s) or []) if isinstance(p, dict)
+                           and p.get("prompt_tokens") == n), {}) for s in servers}
+        peak = phys["flops"] / prefill_flops_per_token(phys) if phys else None  # prompt tokens/s
+        row(f"prefill, one {n}-token prompt", "tok/s (÷ peak FLOP/s at 2 × params a token)",
+            [_fmt(points[s].get("prefill_tok_s")) + _share(points[s].get("prefill_tok_s"), peak)
+             for s in servers])
+        row(f"prefill, one {n}-token prompt", "TTFT p50 ms (bound ms)",
+            [_fmt(points[s].get("ttft_ms_p50"), 0) + (f" ({n / peak * 1e3:.0f})" if peak else "")
+             for s in servers])
     if prefix := sc.get("prefix", {}):
         row(f"prefix cache, {sizes.get('prefix_tokens')}-token system prompt",
             "TTFT cold / hit ms (hit/cold, goal ≤ 0.1)",
@@ -137,6 +157,11 @@ def markdown(data: dict[str, Any]) -> str:
     for error in data.get("errors", []):
         lines.append(f"\nerror: {error}")
     return "\n".join(lines)
+
+
+def _share(value: Any, bound: float | None) -> str:
+    """" (0.431)": a figure's fraction of its bound, or nothing where either is missing."""
+    return f" ({value / bound:.3f})" if isinstance(value, (int, float)) and bound else ""
 
 
 def _times(result: dict[str, Any], keys: tuple[str, ...], ratio: str) -> str:
