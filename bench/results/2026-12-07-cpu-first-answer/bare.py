@@ -1,8 +1,17 @@
-import time, sys
-from mlx_lm import load, generate
-import mlx.core as mx
-path = sys.argv[1]
-model, tok = load(path)
-prompt = tok.apply_chat_template([{"role":"user","content":"What is the capital of France?"}], add_generation_prompt=True) if tok.chat_template else tok.encode("What is the capital of France?")
-for i in range(2):
-    t = time.perf_counter(); out = generate(model, tok, prompt, max_tokens=30, verbose=False); print("bare mlx-lm 30 tokens s", round(time.perf_counter()-t, 2))
+"""Bare mlx-lm's own generation on the converted model, the first answer's prompt, twice."""
+
+import sys
+import time
+
+from mlx_lm import generate, load
+
+model, tokenizer = load(sys.argv[1])
+messages = [{"role": "user", "content": "What is the capital of France?"}]
+if tokenizer.chat_template:
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+else:
+    prompt = tokenizer.encode(messages[0]["content"])
+for _ in range(2):
+    started = time.perf_counter()
+    generate(model, tokenizer, prompt, max_tokens=30, verbose=False)
+    print("bare mlx-lm 30 tokens s", round(time.perf_counter() - started, 2))
