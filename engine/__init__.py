@@ -12,7 +12,7 @@ from engine.errors import (
     QueueFullError,
 )
 from engine.loader import DEFAULT_MODEL, LoadedModel, backend_name, load_model
-from engine.request import EngineRequest, RequestOutput, SamplingParams, TokenLogprob
+from engine.request import EngineRequest, RequestOutput, SamplingParams, Speculation, TokenLogprob
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -32,6 +32,7 @@ __all__ = [
     "RequestOutput",
     "RequestStream",
     "SamplingParams",
+    "Speculation",
     "TokenLogprob",
     "backend_name",
     "load_model",

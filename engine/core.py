@@ -27,7 +27,7 @@ from engine.kv.store import default_segment_tokens
 from engine.loader import LoadedModel, device_memory_bytes, on_cuda_by_default
 from engine.prefix import ChainKey, PrefixCache, PrefixCacheStats
 from engine.prefix.disk import open_disk_tier
-from engine.request import EngineRequest, RequestOutput
+from engine.request import EngineRequest, RequestOutput, Speculation
 from engine.runner import Runner
 from engine.sequence import RequestStatus, Sequence
 from engine.speculative import SpeculativeConfig, Speculator, load_draft
@@ -775,8 +775,11 @@ class EngineCore:
         rows = len(self.batch)
         produced = self.batch.step()
         self._counters["decode_steps"] += 1
-        if len({id(item.seq) for item in produced}) > 1:
+        stepped = {id(item.seq): item.seq for item in produced}
+        if len(stepped) > 1:
             self._counters["batched_steps"] += 1
+        for seq in stepped.values():
+            seq.decode_steps += 1
         if produced:
             self._counters["decode_rows"] += rows
         finished: list[Sequence] = []
@@ -804,6 +807,8 @@ class EngineCore:
                         seq.request_id, emitted, logprobs,
                         finish_reason="stop" if status is RequestStatus.FINISHED_STOPPED else "length",
                         cached_tokens=seq.cached_tokens,
+                        speculation=Speculation(seq.drafted, seq.accepted, seq.decode_steps)
+                        if seq.drafted else None,
                     )
                 )
         self.batch.remove(finished)

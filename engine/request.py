@@ -78,6 +78,13 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class Speculation:
+    drafted_tokens: int
+    accepted_tokens: int
+    decode_steps: int
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """What one engine step produced for one request: new tokens and, at the end, why."""
 
@@ -87,6 +94,9 @@ class RequestOutput:
     finish_reason: str | None = None
     cached_tokens: int = 0
     error: Exception | None = None
+    # At the end, where speculative decoding drafted for it: drafts proposed and accepted,
+    # and the decode steps its output took.
+    speculation: Speculation | None = None
     # Once, when the prompt is prefilled, for a request that asked: one entry per prompt
     # token, None for the first (nothing precedes it).
     prompt_logprobs: tuple[TokenLogprob | None, ...] = ()

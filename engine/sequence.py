@@ -22,6 +22,9 @@ class Sequence:
     chain: list[ChainKey] = field(default_factory=list)  # its prompt's block digests, as looked up
     disk_blocks: tuple[tuple[ChainKey, ChainKey, tuple[int, ...]], ...] = ()  # a hit's, to read back
     generated: int = 0
+    decode_steps: int = 0  # decode steps it took part in; a verified step counts once
+    drafted: int = 0  # speculative drafts proposed for it, and accepted of those
+    accepted: int = 0
     outputs: list[int] = field(default_factory=list)  # the tokens generated
     wait_since: float | None = None  # when admission first said WAIT
     chunk_tokens: int = 0  # current prefill chunk size (shrinks under memory pressure)

@@ -18,7 +18,7 @@ from typing import Any
 
 from fastapi import Request
 
-from engine import EngineClient, EngineRequest, RequestOutput, RequestStream, SamplingParams
+from engine import EngineClient, EngineRequest, RequestOutput, RequestStream, SamplingParams, Speculation
 from engine.logits_processor import LogitsProcessor
 from server.errors import APIError, BadRequest, RequestTimeout, from_engine_error
 from server.text_stream import ChoiceText, TextDelta
@@ -34,6 +34,7 @@ class ChoiceResult:
     text: ChoiceText
     finish_reason: str | None = None
     cached_tokens: int = 0
+    speculation: Speculation | None = None  # where speculative decoding drafted for it
     logprobs: list[Any] = field(default_factory=list)
     prompt_logprobs: tuple[Any, ...] = ()  # the prompt's scores, when the request asked
 
@@ -243,6 +244,7 @@ class Generation:
             if finish is not None:
                 choice.finish_reason = finish
                 choice.cached_tokens = output.cached_tokens
+                choice.speculation = output.speculation
             choice.logprobs.extend(delta.logprobs)
             yield choice, delta, finish
         self.finished_at = time.monotonic()
@@ -282,6 +284,26 @@ class Generation:
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
             **self.prepared.usage_note(),
+            **self.speculation_usage(),
+        }
+
+    def speculation_usage(self) -> dict[str, Any]:
+        """Where speculative decoding drafted: OpenAI's prediction counts (drafts that became
+        output, and drafts the model did not take) and `speculative`, the request's acceptance
+        rate and output tokens per decode step. Nothing where nothing was drafted."""
+        spec = [c.speculation for c in self.choices if c.speculation is not None]
+        drafted = sum(s.drafted_tokens for s in spec)
+        if not drafted:
+            return {}
+        accepted = sum(s.accepted_tokens for s in spec)
+        steps = sum(s.decode_steps for s in spec)
+        tokens = sum(c.text.completion_tokens for c in self.choices if c.speculation is not None)
+        return {
+            "completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": drafted - accepted},
+            "speculative": {"drafted_tokens": drafted, "accepted_tokens": accepted,
+                            "acceptance_rate": round(accepted / drafted, 4),
+                            "tokens_per_step": round(tokens / steps, 4) if steps else None},
         }
 
 

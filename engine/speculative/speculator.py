@@ -102,6 +102,8 @@ class Speculator:
         self.rows += 1
         self.drafted += drafted
         self.accepted += accepted
+        seq.drafted += drafted
+        seq.accepted += accepted
         row = self._rows[seq.request_id]
         row.misses = 0 if accepted else row.misses + 1
         row.wait = min((1 << row.misses) - 1, MAX_BACKOFF)

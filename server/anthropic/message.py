@@ -11,7 +11,7 @@ from server.reasoning import TextParser
 STOP_REASONS = {"length": "max_tokens", "stop": "end_turn"}
 
 
-def usage(generation: Generation) -> dict[str, int]:
+def usage(generation: Generation) -> dict[str, Any]:
     """Anthropic counts prompt tokens read from a cache apart from `input_tokens`; ours are
     the prefix cache's hits. Nothing is ever billed for writing it, so creation is 0."""
     choice = generation.choices[0]
@@ -22,6 +22,7 @@ def usage(generation: Generation) -> dict[str, int]:
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": choice.cached_tokens,
         **generation.prepared.usage_note(),
+        **{k: v for k, v in generation.speculation_usage().items() if k == "speculative"},
     }
 
 

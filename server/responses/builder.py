@@ -326,8 +326,9 @@ class ResponseBuilder:
             "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens()},
             "total_tokens": usage["total_tokens"],
         }
-        if "max_tokens_clamped" in usage:
-            self.usage["max_tokens_clamped"] = usage["max_tokens_clamped"]
+        for key in ("max_tokens_clamped", "speculative"):
+            if key in usage:
+                self.usage[key] = usage[key]
         if finish_reason == "length":
             self.status, self.incomplete = "incomplete", {"reason": "max_output_tokens"}
             events.append(self._event("response.incomplete", response=self.snapshot()))

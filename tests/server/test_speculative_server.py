@@ -21,11 +21,24 @@ def test_prompt_lookup_serves_the_same_text_and_reports_acceptance(server, start
     proc = start_server(args=["--speculative", "prompt-lookup", "--speculative-max-rows", "8"])
     spec = _complete(proc.url)
     assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
-    assert spec["usage"] == plain["usage"]
+    usage = spec["usage"]
+    assert {k: usage[k] for k in plain["usage"]} == plain["usage"]
+    assert "speculative" not in plain["usage"] and "completion_tokens_details" not in plain["usage"]
     engine = httpx.get(f"{proc.url}/v1/memory").json()["engine"]
     report = engine["speculative"]
     assert report["method"] == "prompt-lookup" and report["max_rows"] == 8
     assert report["drafted_tokens"] > 0
+    # The request's own figures: this request is the only one that drafted.
+    drafted, accepted = report["drafted_tokens"], report["accepted_tokens"]
+    assert usage["completion_tokens_details"] == {"accepted_prediction_tokens": accepted,
+                                                  "rejected_prediction_tokens": drafted - accepted}
+    mine = usage["speculative"]
+    assert (mine["drafted_tokens"], mine["accepted_tokens"]) == (drafted, accepted)
+    assert mine["acceptance_rate"] == round(accepted / drafted, 4)
+    # Each decode step emits the target's own token and the drafts it accepted.
+    steps = usage["completion_tokens"] / mine["tokens_per_step"]
+    assert steps <= usage["completion_tokens"] and steps + accepted >= usage["completion_tokens"] - 0.01
+    assert accepted == 0 or mine["tokens_per_step"] > 1
     metrics = httpx.get(f"{proc.url}/metrics").text
     assert f"mlx_headroom_speculative_drafted_tokens_total {float(report['drafted_tokens'])}" in metrics
     assert "mlx_headroom_speculative_acceptance_rate" in metrics
