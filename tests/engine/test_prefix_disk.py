@@ -4,9 +4,11 @@ damaged file, or one of another model, is removed and never loaded."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import random
 import shutil
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -157,6 +159,23 @@ def test_writes_cut_short_by_time_leave_the_head_of_a_chain(make_engine, tmp_pat
     assert all(parent == ROOT or parent in parents for parent in parents.values())
     again = make_engine(prefill_step_size=128, prefix_cache_dir=str(tmp_path))
     assert run(again, "b", prompt(1))[1] == 16 * len(parents)  # every block written is read back
+
+
+def test_a_chain_deeper_than_pythons_recursion_limit_is_evicted_whole(make_engine, tmp_path):
+    """A chain is a prompt's blocks (a 100k-token prompt is 6,250 deep): evicting it from its
+    head must not recurse once per block. Here the stack may grow by 60 frames, and the
+    chain is 125 blocks deep."""
+    h = make_engine(prefill_step_size=512, prefix_cache_dir=str(tmp_path))
+    run(h, "a", prompt(1, 2000))
+    cache = h.core.prefix_cache
+    assert len(cache) == -(-2008 // 16)  # 125 full blocks and the partial last one
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(len(inspect.stack()) + 60)
+    try:
+        cache.evict(1 << 40)
+    finally:
+        sys.setrecursionlimit(limit)
+    assert not len(cache) and len(files(tmp_path)) == 2008 // 16  # full blocks go to disk
 
 
 def test_a_chain_spilled_to_a_full_tier_loses_its_leaves_first(make_engine, tmp_path):
