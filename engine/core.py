@@ -261,6 +261,12 @@ class EngineCore:
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # in admission order; each step runs them in prefill_order
         self.step_budget = StepBudget(config.max_decode_stall_s, floor_tokens=config.min_chunk_tokens)
+        disk = self.prefix_cache.disk
+        if disk is not None and disk.calibration.get("prefill"):
+            try:  # an earlier process's prefill measurements of this model on this machine
+                self.step_budget.seed(disk.calibration["prefill"])
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("prefix cache: ignoring the saved prefill cost line: %s", exc)
         self._prefill_s = 0.0  # this step's prefill calls, waits for the queued decode step excluded
         self.inbox: queue.SimpleQueue[_Submit | _Abort | _Call | None] = queue.SimpleQueue()
         self.stats = EngineStats()
@@ -313,6 +319,8 @@ class EngineCore:
         if self.prefix_cache.disk is not None:
             written = self.prefix_cache.spill(deadline=time.monotonic() + SPILL_S)
             log.info("prefix cache: %d blocks written to %s", written, self.prefix_cache.disk.dir)
+            cost = self.step_budget.cost
+            self.prefix_cache.disk.save_calibration(cost.state() if cost.line is not None else None)
 
     def step(self) -> bool:
         """One engine step; False when it could do nothing (everything waits)."""

@@ -86,6 +86,16 @@ class PrefillCost:
         self.calls += 1
         self.line = self._fit()
 
+    def state(self) -> dict[str, float]:
+        """The fit's decayed sums, to carry the measurements into a later process."""
+        return {"w": self._w, "wx": self._wx, "wy": self._wy, "wxx": self._wxx, "wxy": self._wxy}
+
+    def restore(self, state: dict[str, float]) -> None:
+        """Start from sums `state` saved; new calls weigh in and fade them as they do each other."""
+        self._w, self._wx, self._wy = float(state["w"]), float(state["wx"]), float(state["wy"])
+        self._wxx, self._wxy = float(state["wxx"]), float(state["wxy"])
+        self.line = self._fit() if self._w > 0 and self._wxx > 0 else None
+
     def _fit(self) -> Line:
         w, mean_x, mean_y = self._w, self._wx / self._w, self._wy / self._w
         var = self._wxx / w - mean_x * mean_x
@@ -110,13 +120,23 @@ class StepBudget:
         self.cost = PrefillCost()
         self.decode_s: float | None = None
         self.bounded_steps = 0  # steps whose prefill the target cut short of the token budget
+        self.prior: dict[str, float] | None = None  # an earlier process's fit (`seed`)
         self._left: float | None = None  # seconds of prefill left in this step; None: unbounded
         self._planned = 0  # tokens planned in this step
 
     def forget(self) -> None:
-        """Drop what was measured (after the warm-up: first-use compilation is no cost)."""
+        """Drop what was measured (after the warm-up: first-use compilation is no cost),
+        back to the prior where there is one."""
         self.cost = PrefillCost()
+        if self.prior is not None:
+            self.cost.restore(self.prior)
         self.decode_s = None
+
+    def seed(self, state: dict[str, float]) -> None:
+        """Begin from an earlier process's prefill measurements of this model on this machine
+        (`PrefillCost.state`, kept by the prefix cache's disk tier)."""
+        self.prior = state
+        self.cost.restore(state)
 
     def begin(self, *, decoding: bool) -> None:
         self._planned = 0

@@ -12,6 +12,13 @@ A later lookup that runs out of cached blocks in memory goes on through the file
 hit reads them back into the request's own blocks, when reading is faster than
 prefilling them (`worth_reading`). The files survive restarts.
 
+Both sides of that decision are measured on the machine. Reading: at start, a few files
+of the tier's own block shape are written and read back as a hit reads them (`mx.load`,
+evaluated), which counts each file's own cost as well as its bytes; then the reads the
+hits make. Prefilling: the engine's fitted cost line. A restarted process has measured
+neither yet, so the folder keeps both in `calibration.json` at shutdown, and the next
+process starts from them.
+
 Trust. The identity hashes the format version, the model's config, its weight files'
 names, sizes and modification times, and the KV layout (layers, heads, dims, dtype,
 quantization, block size): a file from another model or layout sits in another folder,
@@ -47,7 +54,9 @@ log = logging.getLogger("mlx_headroom.engine")
 
 FORMAT = "mlx-headroom-prefix/1"
 SUFFIX = ".safetensors"
-PROBE_BYTES = 8 << 20  # the start-up read measurement's file
+PROBE_BYTES = 8 << 20  # real reads of at least this much replace the start-up measurement
+PROBE_FILES = 4
+CALIBRATION = "calibration.json"
 
 
 def model_identity(model_path: str, layout: dict[str, Any]) -> str:
@@ -98,12 +107,16 @@ class DiskTier:
         self._read_s = 0.0
         self._read_bytes = 0
         self._scan()
-        self.read_bytes_per_s = self._measure_read()
+        self.calibration = self._load_calibration()
+        saved = self.calibration.get("read_bytes_per_s")
+        self.read_bytes_per_s = float(saved) if saved else self._measure_read()
 
     # ---- what is there ---------------------------------------------------------------
     def _scan(self) -> None:
         found = []
         for f in self.dir.iterdir():
+            if f.name == CALIBRATION:
+                continue
             if f.suffix != SUFFIX:
                 f.unlink(missing_ok=True)  # a write that never finished, or a stray file
                 continue
@@ -120,18 +133,53 @@ class DiskTier:
         self._enforce_cap()
 
     def _measure_read(self) -> float:
-        """Bytes per second reading a fresh file of this folder (a lower bound's stand-in
-        until real reads are timed: a file just written may come from the page cache)."""
-        probe = self.dir / "read-probe.tmp"
+        """Bytes per second reading blocks as a hit reads them: files of this tier's block
+        shape, written here, then loaded and evaluated (a stand-in until real reads are
+        timed: a file just written may come from the page cache, as the spilled files of a
+        restart may too)."""
+        names = [f"{kv}.{i}" for kv in "kv" for i in range(self.num_layers)]
+        block = {n: mx.zeros(self.shape, self.dtype) for n in names}
+        probes = [self.dir / f"read-probe-{i}.tmp{SUFFIX}" for i in range(PROBE_FILES)]
         try:
-            probe.write_bytes(os.urandom(PROBE_BYTES))
+            for p in probes:
+                mx.save_safetensors(str(p), block)
             started = time.perf_counter()
-            with probe.open("rb") as f:
-                while f.read(1 << 20):
-                    pass
-            return PROBE_BYTES / max(time.perf_counter() - started, 1e-6)
+            for p in probes:
+                mx.eval(list(mx.load(str(p)).values()))
+            return PROBE_FILES * self.block_bytes / max(time.perf_counter() - started, 1e-6)
         finally:
-            probe.unlink(missing_ok=True)
+            for p in probes:
+                p.unlink(missing_ok=True)
+
+    # ---- what the next process starts from -------------------------------------------
+    def _load_calibration(self) -> dict[str, Any]:
+        path = self.dir / CALIBRATION
+        try:
+            data = json.loads(path.read_text())
+            if data.get("format") != FORMAT or data.get("model") != self.identity:
+                raise ValueError("not this tier's")
+            return data
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, AttributeError) as exc:
+            log.warning("prefix cache: ignoring and removing %s: %s", path, exc)
+            path.unlink(missing_ok=True)
+            return {}
+
+    def save_calibration(self, prefill: dict[str, float] | None) -> None:
+        """Keep what this process measured for the next: the read rate of its real reads
+        (or the one it started from) and the prefill cost line's state."""
+        data: dict[str, Any] = {"format": FORMAT, "model": self.identity,
+                                "read_bytes_per_s": self.bytes_per_s,
+                                "prefill": prefill or self.calibration.get("prefill")}
+        path = self.dir / CALIBRATION
+        tmp = path.with_name(CALIBRATION + ".tmp")
+        try:
+            tmp.write_text(json.dumps(data))
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            log.warning("prefix cache: could not write %s: %s", path, exc)
 
     def __contains__(self, key: object) -> bool:
         return key in self._files

@@ -5,6 +5,7 @@ damaged file, or one of another model, is removed and never loaded."""
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import random
 import shutil
@@ -278,3 +279,55 @@ def test_the_engine_prices_prefill_by_its_fitted_cost_line(make_engine, tmp_path
     line = h.core.step_budget.cost.line
     assert line is not None
     assert h.core.prefix_cache.prefill_seconds(4096, 64) == line.seconds(4096, 64)
+
+
+# ---- what a restarted process decides from: the measurements the folder keeps -----------
+def calibration(root: Path) -> Path:
+    (found,) = root.glob("*/calibration.json")
+    return found
+
+
+def test_a_restarted_engine_starts_from_the_measurements_of_the_last(make_engine, tmp_path):
+    """Right after a restart nothing is measured yet: a warm-up's few tokens would price a
+    long prefill at their own fixed cost. The folder keeps the prefill cost line and the read
+    rate, and the next process begins from them."""
+    first = make_engine(prefill_step_size=128, prefix_cache_dir=str(tmp_path))
+    run(first, "a", prompt(1))
+    line = first.core.step_budget.cost.line
+    rate = first.core.prefix_cache.disk.bytes_per_s
+    shut_down(first)
+    saved = json.loads(calibration(tmp_path).read_text())
+    assert saved["read_bytes_per_s"] == rate and saved["prefill"]
+    again = make_engine(prefill_step_size=128, prefix_cache_dir=str(tmp_path))
+    assert again.core.step_budget.cost.line == pytest.approx(line)  # before any prefill here
+    assert again.core.prefix_cache.disk.read_bytes_per_s == rate
+    again.core.step_budget.forget()  # as after the warm-up: back to the prior, not to nothing
+    assert again.core.step_budget.cost.line == pytest.approx(line)
+
+
+@pytest.mark.parametrize(("read_bytes_per_s", "read"), [(1.0, False), (1e15, True)])
+def test_after_a_restart_blocks_are_read_only_when_reading_beats_prefilling(
+        make_engine, tmp_path, cold, read_bytes_per_s, read):
+    """A disk that reads slower than the model prefills (measured by the last process: an
+    H100 read a 32k prefix's 4 GiB in 4.7 s and prefilled it in 2.1 s) is not read."""
+    first = make_engine(prefill_step_size=128, prefix_cache_dir=str(tmp_path))
+    run(first, "a", prompt(1))
+    shut_down(first)
+    path = calibration(tmp_path)
+    path.write_text(json.dumps({**json.loads(path.read_text()), "read_bytes_per_s": read_bytes_per_s}))
+    again = make_engine(prefill_step_size=128, prefix_cache_dir=str(tmp_path))
+    tokens, cached = run(again, "b", prompt(1))
+    assert tokens == cold("b", prompt(1))
+    assert cached == (PROMPT // 16 * 16 if read else 0)
+    assert again.core.prefix_cache.stats().disk["hits"] == (PROMPT // 16 if read else 0)
+
+
+def test_a_foreign_or_damaged_calibration_is_removed_and_never_used(tmp_path):
+    disk = tier(tmp_path)
+    path = disk.dir / "calibration.json"
+    for text in ("{not json", json.dumps({"format": "other", "model": "test", "read_bytes_per_s": 1.0})):
+        path.write_text(text)
+        again = tier(tmp_path)
+        assert again.calibration == {} and not path.exists() and again.read_bytes_per_s > 1.0
+    disk.save_calibration(None)
+    assert tier(tmp_path).read_bytes_per_s == disk.bytes_per_s  # its own is read back
