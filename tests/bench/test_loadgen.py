@@ -51,7 +51,7 @@ def test_table_renders_a_results_file() -> None:
     data = {"run": "x", "model": {"name": "tiny"}, "settings": {"sizes": {"prompt_tokens": 8}},
             "scenarios": {"throughput": {"ours": [point], "mlx_lm": [point]}}}
     text = markdown(json.loads(json.dumps(data)))
-    assert "| throughput C=1, P=8, T=None | output tok/s | 10.0 | 10.0 |" in text
+    assert "| throughput C=1, P=8, T=None | output tok/s (÷ physical bound) | 10.0 | 10.0 |" in text
     interference = {"itl_ms_p99": 120.0, "alone": {"itl_ms_p99": 9.0}, "late_short_ttft_ms": 80.0,
                     "long_ttft_ms": 1100.0, "long_idle_ttft_ms": 1000.0, "long_ttft_over_idle": 1.1,
                     "goals": {"itl_ms_p99": 150.0, "late_short_ttft_ms": 500.0, "long_ttft_over_idle": 1.2}}
