@@ -158,6 +158,9 @@ class DiskTier:
             data = json.loads(path.read_text())
             if data.get("format") != FORMAT or data.get("model") != self.identity:
                 raise ValueError("not this tier's")
+            rate, prefill = data.get("read_bytes_per_s"), data.get("prefill")
+            if not (isinstance(rate, (int, float)) and rate > 0) or not isinstance(prefill, dict | None):
+                raise ValueError("not a read rate and a cost line")
             return data
         except FileNotFoundError:
             return {}

@@ -325,7 +325,10 @@ def test_after_a_restart_blocks_are_read_only_when_reading_beats_prefilling(
 def test_a_foreign_or_damaged_calibration_is_removed_and_never_used(tmp_path):
     disk = tier(tmp_path)
     path = disk.dir / "calibration.json"
-    for text in ("{not json", json.dumps({"format": "other", "model": "test", "read_bytes_per_s": 1.0})):
+    ours = {"format": "mlx-headroom-prefix/1", "model": "test"}
+    for text in ("{not json", "[]", json.dumps({**ours, "format": "other", "read_bytes_per_s": 1.0}),
+                 json.dumps({**ours, "read_bytes_per_s": "fast"}),
+                 json.dumps({**ours, "read_bytes_per_s": -1.0})):
         path.write_text(text)
         again = tier(tmp_path)
         assert again.calibration == {} and not path.exists() and again.read_bytes_per_s > 1.0
