@@ -137,13 +137,23 @@ def bound(b: dict[str, Any], concurrency: int, requests: int) -> dict[str, float
 PEAKS = (("H200", 4.8e12, 989e12), ("H100", 3.35e12, 989e12))
 
 
+def _peaks(data: dict[str, Any]) -> tuple[float, float] | None:
+    name = ((data.get("machine") or {}).get("device_info") or {}).get("device_name") or ""
+    return next(((bw, flops) for part, bw, flops in PEAKS if part in name), None)
+
+
+def peak_bandwidth(data: dict[str, Any]) -> float | None:
+    """The run's card's HBM bytes/s by its datasheet, or None off the cards in PEAKS."""
+    peak = _peaks(data)
+    return peak[0] if peak else None
+
+
 def physical(data: dict[str, Any]) -> dict[str, float] | None:
     """A run's physical bound inputs (the card's peaks, the weights' bytes and parameters, KV
     bytes per token), or None off the cards in PEAKS or on quantized weights."""
     from memory.estimate import geometry_from_config
 
-    name = ((data.get("machine") or {}).get("device_info") or {}).get("device_name") or ""
-    peak = next(((bw, flops) for part, bw, flops in PEAKS if part in name), None)
+    peak = _peaks(data)
     model, config = data.get("model") or {}, data.get("model_config") or {}
     width = {"bfloat16": 2, "float16": 2, "float32": 4}.get(str(model.get("dtype")))
     if peak is None or width is None or not model.get("weight_bytes") or not config:

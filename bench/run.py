@@ -222,6 +222,7 @@ def derived(data: dict[str, Any]) -> dict[str, Any]:
                 if measured and str(p.get("concurrency")) in b.get("decode_step_ms", {}):
                     p.update(bound(b, p["concurrency"], p["requests"]))
                     p["fraction_of_bound"] = round(p["output_tok_s"] / p["bound_tok_s"], 4)
+    _weight_bandwidth(data)
     guard = (data["scenarios"].get("guard") or {}).get("ours") or {}
     if "cost_pct" in guard:
         out["guard_cost_pct"] = guard["cost_pct"]
@@ -229,6 +230,23 @@ def derived(data: dict[str, Any]) -> dict[str, Any]:
         if isinstance(prefix, dict) and prefix.get("hit_over_cold") is not None:
             out[f"{server}_prefix_hit_over_cold"] = prefix["hit_over_cold"]
     return out
+
+
+def _weight_bandwidth(data: dict[str, Any]) -> None:
+    """Each quantized point's weight bandwidth: every decode step reads the quantized weights
+    once, and the steady per-token time is the step's time at that batch, so bytes/s is
+    weights over it, and its fraction is of the card's HBM bandwidth (its datasheet's)."""
+    from bench.bound import peak_bandwidth
+
+    weight_bytes = (data.get("quantized") or {}).get("weight_bytes")
+    peak = peak_bandwidth(data)
+    for points in (data["scenarios"].get("quantized") or {}).values():
+        for p in points if isinstance(points, list) else []:
+            step_ms = p.get("steady_tpot_ms_p50")
+            if weight_bytes and step_ms:
+                p["weight_bytes_per_s"] = round(weight_bytes / (step_ms / 1000))
+                if peak:
+                    p["weight_bandwidth_fraction"] = round(p["weight_bytes_per_s"] / peak, 4)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -359,7 +377,9 @@ async def main_async(args: argparse.Namespace, argv: list[str]) -> Path:
         print(f"[bench] writing the quantized model to {quantized_dir}", file=sys.stderr, flush=True)
         try:
             await asyncio.to_thread(_save_model_dir, model, dtype, quantized_dir, env, sizes.quantized_bits)
-            run.data["quantized"] = {"path": str(quantized_dir), "bits": sizes.quantized_bits}
+            weights = sum(f.stat().st_size for f in quantized_dir.glob("*.safetensors"))
+            run.data["quantized"] = {"path": str(quantized_dir), "bits": sizes.quantized_bits,
+                                     "weight_bytes": weights}
         except subprocess.SubprocessError as exc:
             run.data["errors"].append(f"quantized: writing the model failed: {exc}")
             selected.remove("quantized")

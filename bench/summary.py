@@ -61,6 +61,9 @@ def _point_row(base: dict[str, Any], p: dict[str, Any]) -> dict[str, Any]:
         row["prefill_tok_s"] = engine["prefill_tok_s"]  # while the engine waited on prefill
     if p.get("gpu_busy_pct") is not None:
         row["gpu_busy_pct"] = p["gpu_busy_pct"]
+    if p.get("weight_bytes_per_s") is not None:  # a quantized point's steady decode step
+        row |= {"weight_gb_s": round(p["weight_bytes_per_s"] / 1e9, 1),
+                "weight_bandwidth_fraction": p.get("weight_bandwidth_fraction")}
     return row
 
 

@@ -81,6 +81,16 @@ def markdown(data: dict[str, Any]) -> str:
                                         f"{_fmt(points[s].get('tpot_ms_p95'))}" for s in servers])
         row(label, "requests", [_outcomes(points[s]) if points[s] else "–" for s in servers])
     derived = data.get("derived", {})
+    qt, bits = sc.get("quantized", {}), (data.get("quantized") or {}).get("bits")
+    for c in sorted({p["concurrency"] for s in servers for p in (qt.get(s) or [])
+                     if isinstance(p, dict) and "concurrency" in p}):
+        points = {s: next((p for p in (qt.get(s) or []) if p.get("concurrency") == c), {}) for s in servers}
+        label = f"quantized {bits}-bit C={c}, P={sizes.get('prompt_tokens')}, T={sizes.get('max_tokens')}"
+        row(label, "output tok/s", [_fmt(points[s].get("output_tok_s")) for s in servers])
+        row(label, "weights read per decode step, GB/s (÷ HBM bandwidth)",
+            [_fmt((points[s].get("weight_bytes_per_s") or 0) / 1e9 or None)
+             + (f" ({points[s]['weight_bandwidth_fraction']:.3f})"
+                if points[s].get("weight_bandwidth_fraction") is not None else "") for s in servers])
     if "bandwidth_bound_tok_s" in derived:
         bw = (data.get("bandwidth") or {}).get("bytes_per_s", 0) / 1e9
         row(f"C=1 vs bandwidth bound ({bw:.0f} GB/s copy → {derived['bandwidth_bound_tok_s']:.0f} tok/s)",

@@ -42,3 +42,30 @@ def test_no_bound_off_the_known_cards_or_on_quantized_weights() -> None:
     assert physical(cpu) is None
     assert "| output tok/s (÷ physical bound) | 130.3 | 79.8 |" in markdown(cpu)
     assert physical({**data, "model": {**data["model"], "dtype": None}}) is None
+
+
+def test_a_quantized_points_weight_bandwidth_is_its_weights_over_the_steady_step() -> None:
+    """Each decode step reads the quantized weights once, and the steady per-token time at a
+    batch is that step's time: the bytes/s, and their share of the card's HBM bandwidth."""
+    from bench import summary
+    from bench.run import derived
+
+    data = json.loads(RUN.read_text())
+    data["quantized"]["weight_bytes"] = 4_500_000_000
+    for p, ms in zip(data["scenarios"]["quantized"]["ours"], (9.0, 20.0, 30.0), strict=True):
+        p["steady_tpot_ms_p50"] = ms
+    derived(data)
+    first = data["scenarios"]["quantized"]["ours"][0]
+    assert first["weight_bytes_per_s"] == 500_000_000_000
+    assert first["weight_bandwidth_fraction"] == round(5e11 / 4.8e12, 4)
+    table = markdown(data)
+    assert "| quantized 4-bit C=1, P=1000, T=256 | output tok/s | 114.6 |" in table
+    assert ("| quantized 4-bit C=1, P=1000, T=256 | weights read per decode step, GB/s (÷ HBM bandwidth) "
+            "| 500.0 (0.104) |") in table
+    row = next(r for r in summary.rows(data) if r["scenario"] == "quantized" and r["concurrency"] == 64)
+    assert (row["weight_gb_s"], row["weight_bandwidth_fraction"]) == (150.0, 0.0312)
+    cpu = {**json.loads(RUN.read_text()), "machine": {"backend": "cpu", "device_info": {}}}
+    cpu["quantized"]["weight_bytes"] = 4_500_000_000
+    cpu["scenarios"]["quantized"]["ours"][0]["steady_tpot_ms_p50"] = 9.0
+    derived(cpu)
+    assert "weight_bandwidth_fraction" not in cpu["scenarios"]["quantized"]["ours"][0]  # no card, no share
