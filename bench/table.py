@@ -62,13 +62,9 @@ def markdown(data: dict[str, Any]) -> str:
         lines.append(f"| {scenario} | {metric} | " + " | ".join(values) + " |")
 
     sizes = data.get("settings", {}).get("sizes", {})
-    tp = sc.get("throughput", {})
-    concurrencies = sorted({p["concurrency"] for s in servers for p in (tp.get(s) or [])
-                            if isinstance(p, dict) and "concurrency" in p})
     phys = physical(data)
-    for c in concurrencies:
+    for c, points in _by_concurrency(sc.get("throughput", {}), servers):
         label = f"throughput C={c}, P={sizes.get('prompt_tokens')}, T={sizes.get('max_tokens')}"
-        points = {s: next((p for p in (tp.get(s) or []) if p.get("concurrency") == c), {}) for s in servers}
         limit = {s: physical_tok_s(phys, prompt_tokens=sizes["prompt_tokens"], max_tokens=sizes["max_tokens"],
                                    concurrency=c, requests=points[s]["requests"])
                  if phys and points[s].get("requests") else None for s in servers}
@@ -81,10 +77,8 @@ def markdown(data: dict[str, Any]) -> str:
                                         f"{_fmt(points[s].get('tpot_ms_p95'))}" for s in servers])
         row(label, "requests", [_outcomes(points[s]) if points[s] else "–" for s in servers])
     derived = data.get("derived", {})
-    qt, bits = sc.get("quantized", {}), (data.get("quantized") or {}).get("bits")
-    for c in sorted({p["concurrency"] for s in servers for p in (qt.get(s) or [])
-                     if isinstance(p, dict) and "concurrency" in p}):
-        points = {s: next((p for p in (qt.get(s) or []) if p.get("concurrency") == c), {}) for s in servers}
+    bits = (data.get("quantized") or {}).get("bits")
+    for c, points in _by_concurrency(sc.get("quantized", {}), servers):
         label = f"quantized {bits}-bit C={c}, P={sizes.get('prompt_tokens')}, T={sizes.get('max_tokens')}"
         row(label, "output tok/s", [_fmt(points[s].get("output_tok_s")) for s in servers])
         row(label, "weights read per decode step, GB/s (÷ HBM bandwidth)",
@@ -167,6 +161,14 @@ def markdown(data: dict[str, Any]) -> str:
     for error in data.get("errors", []):
         lines.append(f"\nerror: {error}")
     return "\n".join(lines)
+
+
+def _by_concurrency(by_server: dict[str, Any], servers: list[str]) -> list[tuple[int, dict[str, Any]]]:
+    """A load scenario's points, by concurrency: each server's point there, or {}."""
+    lists = {s: [p for p in (by_server.get(s) or []) if isinstance(p, dict) and "concurrency" in p]
+             if isinstance(by_server.get(s), list) else [] for s in servers}
+    return [(c, {s: next((p for p in lists[s] if p["concurrency"] == c), {}) for s in servers})
+            for c in sorted({p["concurrency"] for ps in lists.values() for p in ps})]
 
 
 def _share(value: Any, bound: float | None) -> str:
