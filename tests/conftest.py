@@ -17,6 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests import forkserver
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -75,7 +77,7 @@ class ServerProcess:
     env: dict[str, str] = field(default_factory=dict)
     args: list[str] = field(default_factory=list)
     port: int = field(default_factory=free_port)
-    proc: subprocess.Popen[bytes] | None = None
+    proc: subprocess.Popen[bytes] | forkserver.ForkedServer | None = None
     log_path: Path | None = None
     # What python runs: the CLI module, or `-c CODE` that patches something first.
     python_args: list[str] = field(default_factory=lambda: ["-m", "server.cli"])
@@ -99,11 +101,15 @@ class ServerProcess:
     def _start(self, log_dir: Path, timeout: float) -> ServerProcess:
         env = {**os.environ, "MLX_HEADROOM_LOG_LEVEL": "info", **self.env}
         self.log_path = log_dir / f"server-{self.port}.log"
-        cmd = [sys.executable, *self.python_args, "serve", "--model", str(self.model),
-               "--port", str(self.port), "--served-model-name", MODEL, *self.args]
-        self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=self.log_path.open("wb"), stderr=subprocess.STDOUT
-        )
+        argv = ["serve", "--model", str(self.model), "--port", str(self.port),
+                "--served-model-name", MODEL, *self.args]
+        if forkserver.forkable(self.python_args, self.env, self.args):
+            self.proc = forkserver.start(argv, env, ROOT, self.log_path)
+        else:
+            self.proc = subprocess.Popen(
+                [sys.executable, *self.python_args, *argv], cwd=ROOT, env=env,
+                stdout=self.log_path.open("wb"), stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

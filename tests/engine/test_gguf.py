@@ -270,20 +270,23 @@ def test_the_server_serves_it_with_mlx_lm_s_tokens_and_perplexity(
         assert PARAGRAPH.startswith(echoed["choices"][0]["logprobs"]["tokens"][2], offsets[2])
         assert math.exp(server_nll) == pytest.approx(math.exp(nll.item()), rel=0.01)
 
-        # multiple choice by log-likelihood: each option's tokens scored from the echoed prompt
-        texts = [q + o for q, options in QUESTIONS for o in options]
+        # multiple choice by log-likelihood: each option's tokens scored from the echoed
+        # prompt; ten questions (thirty scored prompts, in one request) keep a chance pass
+        # below 1 in 2,000 at a third of the CPU time of all twenty
+        questions = QUESTIONS[:10]
+        texts = [q + o for q, options in questions for o in options]
         echoed = complete(texts, max_tokens=1, echo=True, logprobs=0)
         scores = []
         for choice in sorted(echoed["choices"], key=lambda c: c["index"]):
             text = texts[choice["index"]]
-            question = next(q for q, _ in QUESTIONS if text.startswith(q))
+            question = next(q for q, _ in questions if text.startswith(q))
             start, end = len(tokenizer.encode(question)), len(tokenizer.encode(text))
             scores.append(sum(choice["logprobs"]["token_logprobs"][start:end]))
         right = sum(
             max(range(len(options)), key=lambda k, i=i: scores[3 * i + k]) == 0
-            for i, (_, options) in enumerate(QUESTIONS)
+            for i, (_, options) in enumerate(questions)
         )
-        assert right >= 17, right  # chance is 1 in 3; mlx-lm's own forward gets 20 of 20
+        assert right >= 9, right  # chance is 1 in 3; mlx-lm's own forward gets all of them
     finally:
         server.stop()
 
