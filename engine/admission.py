@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from engine.kv import KVStore
+from engine.kv.buckets import padded_keys
 from engine.kv.prefill import needs_array_mask
 from engine.prompt_scoring import SCORING_BUFFERS
 from engine.sequence import Sequence
@@ -326,21 +327,29 @@ class Admission:
         own = sum(self.chunk_prediction(s, n) for s, n in chunks)
         width = max(max(n, 1) for _, n in chunks)
         end = max(s.processed + n for s, n in chunks)
+        keys = self._keys(end)
         estimate = estimate_prefill(
-            self.geometry, chunk_tokens=width, context_tokens=max(end - width, 0),
+            self.geometry, chunk_tokens=width, context_tokens=max(keys - width, 0),
             batch=len(chunks), backend=self.backend,
-            masked=needs_array_mask([s.processed for s, _ in chunks], [n for _, n in chunks]),
+            masked=keys > end or needs_array_mask([s.processed for s, _ in chunks], [n for _, n in chunks]),
         )
         return max(own, self.tracker.predict(width * len(chunks), estimate.total_bytes))
 
+    def _keys(self, end: int) -> int:
+        """The keys a prefill call ending at `end` attends: padded where the store pads them."""
+        return padded_keys(end, getattr(self.store, "key_bucket", 0))
+
     def chunk_prediction(self, seq: Sequence, tokens: int) -> int:
         """The chunk's transient alone (no join), as the tracker predicts it now."""
+        tokens = max(tokens, 1)
+        keys = self._keys(seq.processed + tokens)
         estimate = estimate_prefill(
             self.geometry,
-            chunk_tokens=max(tokens, 1),
-            context_tokens=seq.processed,
+            chunk_tokens=tokens,
+            context_tokens=keys - tokens,
             batch=1,
             backend=self.backend,
+            masked=keys > seq.processed + tokens,
         )
         scoring = 0
         if seq.scores_prompt:  # its chunk's logits are evaluated and scored

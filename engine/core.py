@@ -23,6 +23,7 @@ from engine.dense import DensePrefixCache, DenseRunner, DenseStore
 from engine.device_errors import is_out_of_memory
 from engine.errors import EngineStepError, InsufficientMemoryError, MemoryProbeUnavailableError
 from engine.kv import KVGeometry, KVStore, install_attention_hook
+from engine.kv.buckets import QUERY_QUANTUM, default_key_bucket
 from engine.kv.store import default_segment_tokens
 from engine.loader import LoadedModel, device_memory_bytes, on_cuda_by_default
 from engine.prefix import ChainKey, PrefixCache, PrefixCacheStats
@@ -70,6 +71,9 @@ class EngineConfig:
     min_chunk_tokens: int = 32
     kv_block_size: int = 16
     kv_segment_tokens: int | None = None  # None: sized from the model (engine.kv.store)
+    # Prefill keys padded to lengths from a small set (engine.kv.buckets). None: 4,096 on
+    # CUDA, where attention is planned per shape; 0: never padded.
+    prefill_key_bucket: int | None = None
     decode_overlap: bool | None = None  # None: on for CUDA (measured safe), off elsewhere (engine.runner)
     max_step_tokens: int | None = None  # tokens per step, decode rows included (None: prefill_step_size)
     # While rows decode, a step's prefill is cut to what keeps the step within this many
@@ -207,7 +211,11 @@ class EngineCore:
             if segment_tokens is None:
                 segment_tokens = default_segment_tokens(loaded.backend, kv.bytes_per_token,
                                                         device_memory_bytes())
-            self.store = KVStore(kv, block_size=config.kv_block_size, segment_tokens=segment_tokens)
+            key_bucket = config.prefill_key_bucket
+            if key_bucket is None:
+                key_bucket = default_key_bucket(loaded.backend)
+            self.store = KVStore(kv, block_size=config.kv_block_size, segment_tokens=segment_tokens,
+                                 key_bucket=key_bucket)
         else:
             if config.kv_bits is not None:
                 raise ValueError(f"quantized KV needs the paged KV store, and {loaded.model_id}'s "
@@ -260,7 +268,10 @@ class EngineCore:
                                 slice_decode=config.slice_decode, speculator=speculator)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # in admission order; each step runs them in prefill_order
-        self.step_budget = StepBudget(config.max_decode_stall_s, floor_tokens=config.min_chunk_tokens)
+        self.step_budget = StepBudget(
+            config.max_decode_stall_s, floor_tokens=config.min_chunk_tokens,
+            quantum_tokens=QUERY_QUANTUM if getattr(self.store, "key_bucket", 0) else 0,
+        )
         disk = self.prefix_cache.disk
         if disk is not None and disk.calibration.get("prefill"):
             try:  # an earlier process's prefill measurements of this model on this machine

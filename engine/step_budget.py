@@ -114,9 +114,12 @@ class StepBudget:
     `spend(context, tokens)` once it is planned; after the step's prefill calls ran,
     `observe_prefill`, and once the step ended, `observe_step`."""
 
-    def __init__(self, target_s: float | None, *, floor_tokens: int) -> None:
+    def __init__(self, target_s: float | None, *, floor_tokens: int, quantum_tokens: int = 0) -> None:
         self.target_s = target_s if target_s else None  # None or 0: no bound
         self.floor_tokens = floor_tokens
+        # A cut chunk is a multiple of this (above it): where attention is planned per shape
+        # (engine.kv.buckets), a cut that follows the line's every move is a new plan per step.
+        self.quantum_tokens = quantum_tokens
         self.cost = PrefillCost()
         self.decode_s: float | None = None
         self.bounded_steps = 0  # steps whose prefill the target cut short of the token budget
@@ -152,6 +155,8 @@ class StepBudget:
         if self._left is None or line is None:
             return budget
         tokens = line.tokens_within(self._left, context)
+        if self.quantum_tokens and self.quantum_tokens < tokens < budget:
+            tokens -= tokens % self.quantum_tokens
         if not self._planned:
             tokens = max(tokens, self.floor_tokens)
         if tokens < budget and not self._planned:

@@ -78,6 +78,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="while streams decode, cut each step's prefill to what keeps the step "
                        "within this many ms, by the measured cost of a prefill token at its context "
                        "(0: off; default 100 on GPUs, 250 on the CPU)")
+    serve.add_argument("--prefill-key-bucket", type=int, default=None,
+                       help="pad prefill attention's keys to a power of two below N or a multiple of "
+                       "N, so that attention planned per shape reuses its plans (default: 4096 on "
+                       "CUDA, 0 = never elsewhere)")
     serve.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
                        help="replay decode steps from traced graphs once the batch holds still "
                        "(default: on CUDA only, where it was measured to win)")

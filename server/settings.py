@@ -101,6 +101,11 @@ class Settings(BaseSettings):
     compile_decode: bool | None = Field(
         None, description="replay decode steps from traced graphs, mx.compile (None: on CUDA only)"
     )
+    prefill_key_bucket: int | None = Field(
+        None, ge=0, description="pad a prefill call's keys to a power of two below this many, or a "
+        "multiple of it, so that attention planned per shape (cuDNN) reuses its plans "
+        "(engine.kv.buckets; None: 4096 on CUDA, 0 elsewhere; 0: never)",
+    )
     slice_decode: bool | None = Field(
         None, description="attend a lone decoding row on consecutive KV blocks as one slice of "
         "the pool, by MLX's fused SDPA, stepped eagerly (engine.kv.attention.run_decode; None: "

@@ -25,6 +25,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from engine.kv.buckets import padded_keys
 from engine.kv.device_vectors import device_vector
 from engine.kv.masks import additive_mask
 from engine.kv.quant import KVQuant
@@ -33,13 +34,14 @@ from engine.kv.store import Allocation, KVStore, Segment, slots_of
 
 class PrefillCache:
     def __init__(self, segment: Segment, layer: int, offset: int, write: mx.array, read: mx.array,
-                 quant: KVQuant | None = None) -> None:
+                 quant: KVQuant | None = None, mask: mx.array | None = None) -> None:
         self.segment = segment
         self.layer = layer
         self.offset = offset
         self._write = write
         self._read = read
         self._quant = quant
+        self._mask = mask  # keys padded past the chunk's end (engine.kv.buckets): masked out
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         k = keys[0].transpose(1, 0, 2)  # [T, H, D]
@@ -54,6 +56,10 @@ class PrefillCache:
         return (k, v) if quant is None else (quant.decode(k), quant.decode(v))
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        if self._mask is not None:
+            if window_size is not None:
+                raise ValueError("the paged KV store does not serve sliding-window attention")
+            return self._mask
         from mlx_lm.models.cache import create_attention_mask  # loaded with the model
 
         return create_attention_mask(
@@ -64,14 +70,21 @@ class PrefillCache:
 def prefill_caches(store: KVStore, alloc: Allocation, tokens: int) -> list[PrefillCache]:
     """Caches for running the request's next `tokens` prompt tokens after `alloc.length`."""
     start = alloc.length
-    write = slots_of(alloc.table, store.block_size, start + tokens, start=start)
+    end = start + tokens
+    write = slots_of(alloc.table, store.block_size, end, start=start)
     heads = store.geometry.num_kv_heads
+    slots = slots_of(alloc.table, store.block_size, end)
+    width = padded_keys(end, store.key_bucket)
+    mask = None
+    if width > end:  # filler slots (the row's first), masked out: SDPA sees a length it has planned
+        slots = mx.concatenate([slots, mx.broadcast_to(slots[:1], (width - end,))])
+        query = mx.arange(start, end, dtype=mx.int32)[:, None]
+        mask = additive_mask((mx.arange(width, dtype=mx.int32)[None, :] <= query)[None, None],
+                             store.geometry.dtype)
     # rows of the pool seen as [slots × H, D], ordered head-major: one gather gives [H, L, D]
-    read = slots_of(alloc.table, store.block_size, start + tokens)[None, :] * heads + mx.arange(
-        heads, dtype=mx.int32
-    )[:, None]
+    read = slots[None, :] * heads + mx.arange(heads, dtype=mx.int32)[:, None]
     return [
-        PrefillCache(alloc.segment, layer, start, write, read, store.geometry.quant)
+        PrefillCache(alloc.segment, layer, start, write, read, store.geometry.quant, mask)
         for layer in range(store.geometry.num_layers)
     ]
 

@@ -8,8 +8,9 @@ Rows are right-padded to the longest chunk of the call: ``tokens`` is ``[B, T]``
   never touch the pool, so a row whose reservation ends at its chunk is safe), quantized
   first where the store's KV is (`engine.kv.quant`);
 - returns every row's K/V gathered from position 0 up to its chunk's end, in SDPA's
-  ``[B, H, L, D]`` layout (L = the longest row's end; shorter rows read their first slot
-  as filler, masked out), decoded to the model's dtype where the KV is quantized;
+  ``[B, H, L, D]`` layout (L = the longest row's end, padded where the backend plans
+  attention per shape, `engine.kv.buckets`; shorter rows read their first slot as filler,
+  masked out), decoded to the model's dtype where the KV is quantized;
 - supplies a per-row mask (row b's query t sees keys ``j <= starts[b] + t`` that are
   real) and per-row RoPE offsets (``starts``), which `mx.fast.rope` takes as an array.
   When every row has the same start and length (no padding), the mask is SDPA's
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from engine.kv.buckets import padded_keys
 from engine.kv.masks import additive_mask
 from engine.kv.quant import KVQuant
 from engine.kv.store import Allocation, KVStore, Segment
@@ -67,7 +69,7 @@ def plan_prefill(store: KVStore, rows: Seq[PrefillRow]) -> PrefillPlan:
     starts = np.asarray([r.alloc.length for r in rows], dtype=np.int64)
     lengths = np.asarray([len(r.tokens) for r in rows], dtype=np.int64)
     ends = starts + lengths
-    width = int(ends.max())
+    width = padded_keys(int(ends.max()), store.key_bucket)  # past the furthest end: filler, masked
     inputs = np.zeros((b, t), dtype=np.uint32)
     valid: list[np.ndarray] = []
     write: list[np.ndarray] = []
@@ -83,7 +85,7 @@ def plan_prefill(store: KVStore, rows: Seq[PrefillRow]) -> PrefillPlan:
         write.append(own[starts[i]:])
     read = slots[:, None, :] * heads + np.arange(heads)[None, :, None]
     mask: mx.array | str
-    if not needs_array_mask(starts.tolist(), lengths.tolist()):
+    if not needs_array_mask(starts.tolist(), lengths.tolist()) and width == int(ends.max()):
         # Rows of one shape (prompts of one length, say): SDPA's own causal mask aligns
         # the queries to the end of the keys, which is exactly right, and costs no memory.
         mask = "causal"

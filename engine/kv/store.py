@@ -150,9 +150,11 @@ class KVStore:
         *,
         block_size: int = DEFAULT_BLOCK_SIZE,
         segment_tokens: int | None = None,
+        key_bucket: int = 0,
     ) -> None:
         self.geometry = geometry
         self.block_size = block_size
+        self.key_bucket = key_bucket  # prefill keys padded to lengths from a small set (engine.kv.buckets)
         if segment_tokens is None:
             segment_tokens = default_segment_tokens("metal", geometry.bytes_per_token)
         self.segment_blocks = max(1, segment_tokens // block_size)

@@ -1,0 +1,187 @@
+"""Prefill keys padded to lengths from a small set (engine.kv.buckets) change no token.
+
+On CUDA each new key length cost MLX's fused attention a plan of its own; the store pads a
+prefill call's keys with masked filler instead. On the CPU the padding is off by default,
+so these tests turn it on with a small bucket and compare against the unpadded engine on
+the tiny model: the same tokens and logprobs, alone and batched, and admission predicting
+the padded keys it will run.
+"""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine import EngineRequest, SamplingParams
+from engine.kv import KVGeometry, KVStore, install_attention_hook, prefill_caches
+from engine.kv.buckets import QUERY_QUANTUM, default_key_bucket, padded_keys
+from engine.kv.prefill import PrefillRow, batch_prefill_caches, plan_prefill
+from engine.step_budget import StepBudget
+
+SHAPES = [(13, 9), (300, 17), (45, 5), (128, 24), (7, 12), (260, 3), (90, 20), (33, 15)]
+
+
+def test_padded_lengths_are_powers_of_two_then_multiples_of_the_bucket() -> None:
+    assert [padded_keys(n, 0) for n in (1, 300, 5000)] == [1, 300, 5000]
+    assert [padded_keys(n, 4096) for n in (1, 256, 257, 2048, 2049, 4096, 4097, 100_000)] == [
+        256, 256, 512, 2048, 4096, 4096, 8192, 102_400]
+    assert [padded_keys(n, 64) for n in (1, 64, 65, 300)] == [64, 64, 128, 320]
+    assert len({padded_keys(n, 4096) for n in range(1, 100_001, 256)}) == 29  # 4 small + 25
+    assert [default_key_bucket(b) for b in ("cuda", "metal", "cpu")] == [4096, 0, 0]
+
+
+def _store(loaded, bucket: int) -> KVStore:
+    g = loaded.kv_geometry()
+    return KVStore(KVGeometry(g.num_layers, g.num_kv_heads, g.head_dim, g.dtype), segment_tokens=4096,
+                   key_bucket=bucket)
+
+
+def _prefill(model, store: KVStore, rid: str, prompt: list[int], chunk: int) -> list[mx.array]:
+    alloc = store.reserve(rid, len(prompt))
+    out = []
+    for start in range(0, len(prompt), chunk):
+        piece = prompt[start:start + chunk]
+        caches = prefill_caches(store, alloc, len(piece))
+        out.append(model(mx.array(piece)[None], cache=caches)[0])
+        mx.eval(out[-1], alloc.segment.arrays())
+        store.advance(rid, len(piece))
+    return out
+
+
+def test_a_padded_prefill_gives_the_unpadded_logits_and_kv(tiny_loaded) -> None:
+    model = tiny_loaded.model
+    assert install_attention_hook(model)
+    prompt = [random.Random(7).randrange(0, 256) for _ in range(200)]
+    plain, padded = _store(tiny_loaded, 0), _store(tiny_loaded, 64)
+    a = _prefill(model, plain, "a", prompt, 48)
+    b = _prefill(model, padded, "b", prompt, 48)
+    caches = prefill_caches(padded, padded.reserve("c", 100), 70)
+    assert caches[0]._read.shape == (tiny_loaded.kv_geometry().num_kv_heads, 128)  # 70 keys read as 128
+    assert caches[0].make_mask(70).shape == (1, 1, 70, 128)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_allclose(np.array(y), np.array(x), rtol=1e-4, atol=1e-4)
+    for store, rid in ((plain, "a"), (padded, "b")):  # every position's K, in order
+        alloc = store.get(rid)
+        slots = [alloc.table[p // 16] * 16 + p % 16 for p in range(200)]
+        keys = np.array(alloc.segment.keys[0])[slots]
+        if rid == "a":
+            expected = keys
+    np.testing.assert_allclose(keys, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("start", [0, 40, 64])
+def test_a_padded_chunk_attends_exactly_its_own_keys(start: int) -> None:
+    """Attention itself, on random K/V of real magnitude (the tiny model's logits hardly
+    move when a query sees a few keys more or less): the padded keys under the cache's
+    mask give what the unpadded keys give under SDPA's causal mask."""
+    geometry = KVGeometry(1, 2, 32, mx.float32)
+    plain = KVStore(geometry, segment_tokens=512)
+    padded = KVStore(geometry, segment_tokens=512, key_bucket=64)
+    rng = np.random.default_rng(start)
+    k, v = (mx.array(rng.standard_normal((1, 2, start + 24, 32)).astype(np.float32)) for _ in range(2))
+    q = mx.array(rng.standard_normal((1, 4, 24, 32)).astype(np.float32))
+    outs = []
+    for store in (plain, padded):
+        alloc = store.reserve("r", start + 24)
+        if start:
+            prefill_caches(store, alloc, start)[0].update_and_fetch(k[:, :, :start], v[:, :, :start])
+            store.advance("r", start)
+        cache = prefill_caches(store, alloc, 24)[0]
+        keys, values = cache.update_and_fetch(k[:, :, start:], v[:, :, start:])
+        mask = cache.make_mask(24)
+        assert (keys.shape[2], mask) == (start + 24, "causal") if store is plain else keys.shape[2] % 64 == 0
+        outs.append(np.array(mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.2, mask=mask)))
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_padded_batched_call_gives_each_row_its_unpadded_logits(tiny_loaded) -> None:
+    model = tiny_loaded.model
+    assert install_attention_hook(model)
+    layers = tiny_loaded.kv_geometry().num_layers
+    shapes = [(70, 0, 70), (150, 64, 60), (120, 64, 60)]  # ragged, then one shape (padded: a mask)
+    results = []
+    for bucket in (0, 64):
+        store = _store(tiny_loaded, bucket)
+        rows = []
+        for i, (p, done, n) in enumerate(shapes):
+            prompt = [random.Random(i).randrange(0, 256) for _ in range(p)]
+            alloc = store.reserve(f"r{i}", p)
+            if done:
+                model(mx.array(prompt[:done])[None], cache=prefill_caches(store, alloc, done))
+                mx.eval(alloc.segment.arrays())
+                store.advance(f"r{i}", done)
+            rows.append(PrefillRow(alloc, tuple(prompt[done:done + n])))
+        for part in (rows[:1], rows[1:]):
+            plan = plan_prefill(store, part)
+            if bucket:
+                assert not isinstance(plan.mask, str) and plan.read.shape[-1] % 64 == 0
+            logits = model(plan.inputs, cache=batch_prefill_caches(plan, layers))
+            mx.eval(logits)
+            results.append(np.array(logits))
+    for x, y in zip(results[:2], results[2:], strict=True):
+        np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-4)
+
+
+def _requests() -> list[EngineRequest]:
+    return [
+        EngineRequest(f"p{i}", tuple(random.Random(900 + i).randrange(0, 256) for _ in range(n)), m,
+                      SamplingParams(temperature=0.0, logprobs=True))
+        for i, (n, m) in enumerate(SHAPES)
+    ]
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
+def test_the_engine_with_padded_keys_gives_the_same_tokens(make_engine, batched: bool) -> None:
+    outputs = []
+    for bucket in (0, 64):
+        config = dict(prefill_step_size=64, prefix_cache_bytes=0, prefill_key_bucket=bucket)
+        got: dict[str, tuple[list[int], list[float]]] = {}
+        if batched:
+            h = make_engine(max_step_tokens=160, max_concurrency=16, prefill_batch=8, **config)
+            for req in _requests():
+                h.submit(req)
+            h.run_until(lambda h=h: len(h.out.finished) == len(SHAPES))
+            assert h.core.stats.prefill_calls < h.core.stats.prefill_chunks  # rows shared calls
+            got = {r: (h.out.tokens[r], h.out.logprobs[r]) for r in h.out.finished}
+        else:
+            for req in _requests():
+                h = make_engine(**config)
+                h.submit(req)
+                h.run_until(lambda r=req.request_id, h=h: r in h.out.finished)
+                got[req.request_id] = (h.out.tokens[req.request_id], h.out.logprobs[req.request_id])
+        assert h.core.store.key_bucket == bucket
+        outputs.append(got)
+    plain, padded = outputs
+    for rid, (tokens, logprobs) in plain.items():
+        assert padded[rid][0] == tokens, rid
+        assert padded[rid][1] == pytest.approx(logprobs, abs=1e-4), rid
+
+
+def test_admission_predicts_the_padded_keys(make_engine) -> None:
+    """A chunk that attends padded keys is predicted as one over those keys, with its mask."""
+    plain = make_engine(prefix_cache_bytes=0)
+    padded = make_engine(prefix_cache_bytes=0, prefill_key_bucket=4096)
+    for h in (plain, padded):
+        h.submit(EngineRequest("x", tuple(range(200)), 1, SamplingParams(temperature=0.0)))
+    seq_plain = plain.core.waiting[0] if plain.core.waiting else plain.core.prefilling[0]
+    seq_padded = padded.core.waiting[0] if padded.core.waiting else padded.core.prefilling[0]
+    assert padded.core.admission.chunk_prediction(seq_padded, 200) > plain.core.admission.chunk_prediction(
+        seq_plain, 200)
+
+
+def test_a_cut_chunk_is_a_multiple_of_the_quantum_where_keys_are_padded() -> None:
+    budget = StepBudget(0.1, floor_tokens=32, quantum_tokens=QUERY_QUANTUM)
+    budget.observe_prefill([(0, 1000)], 0.1)  # 100 µs a token
+    budget.observe_step(0.02, 0.0)  # a decode step of 20 ms leaves 80 ms: 800 tokens
+    budget.begin(decoding=True)
+    assert budget.allow(0, 4096) == 768
+    budget.begin(decoding=True)
+    assert budget.allow(0, 700) == 700  # the token budget's own cut stays as it is
+    plain = StepBudget(0.1, floor_tokens=32)
+    plain.observe_prefill([(0, 1000)], 0.1)
+    plain.observe_step(0.02, 0.0)
+    plain.begin(decoding=True)
+    assert plain.allow(0, 4096) == 800
