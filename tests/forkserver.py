@@ -5,7 +5,9 @@ FastAPI, the engine, mlx-lm and transformers; the suite starts about ninety serv
 cores. Each pytest worker therefore keeps one multiprocessing fork server that imported
 those modules once, and a test's server is a fork of it that runs `server.cli.main` with
 the test's arguments, environment, working directory and log file: the same code from
-`main` on, a process of its own (pid, signals, exit status), bound to its own port.
+`main` on, a process of its own (pid, signals, exit status), bound to its own port. `run`
+does the same for a command that ends (a refused start, `doctor`), with its stdout and
+stderr apart.
 
 The fork server starts as `serve` re-executes itself (`server.malloc`): jemalloc and OpenBLAS
 preloaded where the machine has them, so a forked server runs on the allocator a real one
@@ -23,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
 
@@ -90,6 +93,26 @@ def start(argv: list[str], env: dict[str, str], cwd: Path, log_path: Path) -> Fo
     return ForkedServer(process)
 
 
+def run(argv: list[str], *, cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """`mlx-headroom <argv>` to its end in this environment, as `subprocess.run(...,
+    capture_output=True, text=True)` gives it; a real exec where a fork cannot stand in."""
+    if not forkable(["-m", "server.cli"], {}, argv):
+        return subprocess.run([sys.executable, "-m", "server.cli", *argv], cwd=cwd,
+                              capture_output=True, text=True, timeout=timeout)
+    with tempfile.TemporaryDirectory() as folder:
+        out, err = Path(folder, "stdout"), Path(folder, "stderr")
+        process = _fork_server().Process(
+            target=_serve, args=(argv, dict(os.environ), str(cwd), str(out), str(err)), daemon=True)
+        process.start()
+        process.join(timeout)
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+            raise subprocess.TimeoutExpired(argv, timeout)
+        return subprocess.CompletedProcess(argv, process.exitcode, out.read_text(errors="replace"),
+                                           err.read_text(errors="replace"))
+
+
 def _fork_server() -> ForkServerContext:
     global _context
     if _context is None:
@@ -118,13 +141,14 @@ def _ready() -> None:
     """A first child, so that the fork server is running before the environment is restored."""
 
 
-def _serve(argv: list[str], env: dict[str, str], cwd: str, log_path: str) -> None:
+def _serve(argv: list[str], env: dict[str, str], cwd: str, log_path: str,
+           err_path: str | None = None) -> None:
     from server.cli import main
 
-    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
+    for fd, path in ((1, log_path), (2, err_path or log_path)):
+        log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        os.dup2(log, fd)
+        os.close(log)
     os.chdir(cwd)
     preload = os.environ.get("LD_PRELOAD", "")  # what this process really runs on
     os.environ.clear()

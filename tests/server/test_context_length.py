@@ -11,7 +11,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests import forkserver
 from tests.conftest import MODEL, ROOT, ServerProcess, free_port
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
@@ -27,8 +27,8 @@ LONG = "x" * 600  # over 600 tokens: the tiny tokenizer is byte-level
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "server.cli", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=240)
+    """`mlx-headroom <args>` in a process of its own (tests/forkserver.py: a fork where it can)."""
+    return forkserver.run(list(args), cwd=ROOT, timeout=240)
 
 
 @pytest.fixture(scope="module")

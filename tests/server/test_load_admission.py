@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from tests import forkserver
 from tests.conftest import MODEL, ROOT, ServerProcess, free_port
 
 TINY_DUMMY = ["--load-format", "dummy"]  # with --model tiny: the tiny preset, random weights
@@ -27,8 +27,8 @@ def simulated(ceiling_bytes: int) -> list[str]:
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "server.cli", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    """`mlx-headroom <args>` in a process of its own (tests/forkserver.py: a fork where it can)."""
+    return forkserver.run(list(args), cwd=ROOT, timeout=timeout)
 
 
 def doctor(*args: str) -> tuple[int, dict[str, Any]]:
