@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import httpx
 import openai
 import pytest
 
 from server.auth import check, is_loopback, startup_problem
 from server.settings import Settings
+from tests import forkserver
 from tests.conftest import KEYS, ROOT, free_port
 
 MODEL = "mlx-headroom/tiny-chat"
@@ -86,11 +84,8 @@ def test_startup_problem_needs_a_key_or_the_flag_off_loopback():
 def test_refuses_to_start_on_a_public_address_without_a_key(tiny_model_path, monkeypatch):
     for name in ("MLX_HEADROOM_API_KEY", "MLX_HEADROOM_ADMIN_KEY", "MLX_HEADROOM_ALLOW_UNAUTHENTICATED"):
         monkeypatch.delenv(name, raising=False)
-    proc = subprocess.run(
-        [sys.executable, "-m", "server.cli", "serve", "--model", str(tiny_model_path),
-         "--host", "0.0.0.0", "--port", str(free_port())],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )
+    proc = forkserver.run(["serve", "--model", str(tiny_model_path), "--host", "0.0.0.0",
+                           "--port", str(free_port())], cwd=ROOT, timeout=60)
     assert proc.returncode == 2
     assert "refusing to serve on 0.0.0.0 without an API key" in proc.stderr
     assert "--allow-unauthenticated" in proc.stderr

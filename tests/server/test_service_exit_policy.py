@@ -11,20 +11,19 @@ import os
 import plistlib
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 from server import cli, model_fit
 from server.service import fatal, launchd, systemd
 from server.service.base import Context
 from server.service.spec import ServiceSpec
+from tests import forkserver
 from tests.conftest import ROOT, free_port
 
 
 def serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "server.cli", "serve", *args], cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                          text=True, timeout=timeout)
+    """`serve` to its end in a process of its own (tests/forkserver.py: a fork where it can)."""
+    return forkserver.run(["serve", *args], cwd=ROOT, timeout=timeout)
 
 
 def test_the_exit_codes_are_one_list():
