@@ -15,9 +15,9 @@ So where the backend plans per shape (`default_key_bucket`), a prefill call's ke
 gathered up to `padded_keys` (filler slots beyond the real ones, masked out): powers of two
 from 256 up to the bucket, then multiples of it. A 100k-token prompt then attends over 29
 distinct lengths (4 powers of two, 25 multiples of 4,096), not one per chunk; the padding
-costs at most a bucket of masked keys per call. The queries' length is part of the shape too: a chunk that the step budget cuts
-(`engine.step_budget`) is cut to a multiple of `QUERY_QUANTUM`. Elsewhere (Metal, the CPU)
-nothing is padded: their kernels are not planned per length, and the padding would be work
+costs at most a bucket of masked keys per call. The queries' length is part of the shape
+too: a chunk that the step budget cuts (`engine.step_budget`) is cut to a multiple of
+`QUERY_QUANTUM`. Elsewhere (Metal, the CPU) nothing is padded: their kernels are not planned per length, and the padding would be work
 for nothing.
 """
 
