@@ -17,8 +17,8 @@ from 256 up to the bucket, then multiples of it. A 100k-token prompt then attend
 distinct lengths (4 powers of two, 25 multiples of 4,096), not one per chunk; the padding
 costs at most a bucket of masked keys per call. The queries' length is part of the shape
 too: a chunk that the step budget cuts (`engine.step_budget`) is cut to a multiple of
-`QUERY_QUANTUM`. Elsewhere (Metal, the CPU) nothing is padded: their kernels are not planned per length, and the padding would be work
-for nothing.
+`QUERY_QUANTUM`. Elsewhere (Metal, the CPU) nothing is padded: their kernels are not
+planned per length, and the padding would be work for nothing.
 """
 
 from __future__ import annotations
