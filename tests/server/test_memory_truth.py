@@ -81,7 +81,9 @@ def test_mlx_cache_limit_follows_the_ceiling(small_machine):
     r = complete(proc.url, "a short one", max_tokens=40)
     assert r.status_code == 200, r.text
     m = mem(proc.url)
-    assert 0 < m["allocator"]["cache_limit_bytes"] <= 8 * MiB
+    # the limit is the ceiling less the live bytes of the moment, which the request moved by
+    # a few KiB (once 2 KiB down, the limit as many up): the same allowance as above
+    assert 0 < m["allocator"]["cache_limit_bytes"] <= 8 * MiB + 256 * 1024
     assert m["allocator"]["cache_bytes"] <= m["allocator"]["cache_limit_bytes"]
 
     assert guard(proc.url, enabled=False).status_code == 200
