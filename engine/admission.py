@@ -353,5 +353,5 @@ class Admission:
         )
         scoring = 0
         if seq.scores_prompt:  # its chunk's logits are evaluated and scored
-            scoring = max(tokens, 1) * self.geometry.vocab_size * 4 * SCORING_BUFFERS
-        return self.tracker.predict(max(tokens, 1), estimate.total_bytes) + scoring
+            scoring = tokens * self.geometry.vocab_size * 4 * SCORING_BUFFERS
+        return self.tracker.predict(tokens, estimate.total_bytes) + scoring

@@ -85,10 +85,13 @@ class ForkedServer:
         self.send_signal(signal.SIGKILL)
 
 
-def start(argv: list[str], env: dict[str, str], cwd: Path, log_path: Path) -> ForkedServer:
-    """`mlx-headroom <argv>` as a fork, its output (stdout and stderr) in `log_path`."""
-    process = _fork_server().Process(target=_serve, args=(argv, env, str(cwd), str(log_path)),
-                                     daemon=True)
+def start(argv: list[str], env: dict[str, str], cwd: Path, log_path: Path,
+          err_path: Path | None = None) -> ForkedServer:
+    """`mlx-headroom <argv>` as a fork, its stdout in `log_path` and its stderr there too, or
+    in `err_path`."""
+    process = _fork_server().Process(
+        target=_serve, args=(argv, env, str(cwd), str(log_path), str(err_path or log_path)),
+        daemon=True)
     process.start()
     return ForkedServer(process)
 
@@ -101,15 +104,14 @@ def run(argv: list[str], *, cwd: Path, timeout: float) -> subprocess.CompletedPr
                               capture_output=True, text=True, timeout=timeout)
     with tempfile.TemporaryDirectory() as folder:
         out, err = Path(folder, "stdout"), Path(folder, "stderr")
-        process = _fork_server().Process(
-            target=_serve, args=(argv, dict(os.environ), str(cwd), str(out), str(err)), daemon=True)
-        process.start()
-        process.join(timeout)
-        if process.exitcode is None:
+        process = start(argv, dict(os.environ), cwd, out, err)
+        try:
+            code = process.wait(timeout)
+        except subprocess.TimeoutExpired:
             process.kill()
-            process.join()
-            raise subprocess.TimeoutExpired(argv, timeout)
-        return subprocess.CompletedProcess(argv, process.exitcode, out.read_text(errors="replace"),
+            process.wait()
+            raise
+        return subprocess.CompletedProcess(argv, code, out.read_text(errors="replace"),
                                            err.read_text(errors="replace"))
 
 
@@ -141,11 +143,10 @@ def _ready() -> None:
     """A first child, so that the fork server is running before the environment is restored."""
 
 
-def _serve(argv: list[str], env: dict[str, str], cwd: str, log_path: str,
-           err_path: str | None = None) -> None:
+def _serve(argv: list[str], env: dict[str, str], cwd: str, log_path: str, err_path: str) -> None:
     from server.cli import main
 
-    for fd, path in ((1, log_path), (2, err_path or log_path)):
+    for fd, path in ((1, log_path), (2, err_path)):
         log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
         os.dup2(log, fd)
         os.close(log)
