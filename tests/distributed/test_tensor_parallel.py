@@ -74,8 +74,30 @@ def test_split_model_answers_as_the_whole_one(server: ServerProcess, tiny_model_
         memory = httpx.get(tp.url + "/v1/memory", timeout=10).json()["tensor_parallel"]
         assert memory["size"] == 2 and [r["rank"] for r in memory["ranks"]] == [0, 1]
         assert all(r["usage_bytes"] > 0 and r["ceiling_bytes"] > 0 for r in memory["ranks"])
+        # The launcher only relays the ranks' output: idle, it sleeps (its relay loop once
+        # spun on the ranks' always-writable stdin pipes: 1.2 CPU-seconds a second).
+        launcher = launcher_process(tp)
+        used = cpu_seconds(launcher)
+        time.sleep(1.0)  # a window to measure the idle launcher's CPU over, not a wait
+        assert cpu_seconds(launcher) - used < 0.2
     finally:
         assert tp.stop() == 0, tp.log()  # rank 0 drained and told rank 1 to stop
+
+
+def launcher_process(wrapper: ServerProcess) -> int:
+    """The `mlx.launch` process that `serve --tensor-parallel` started."""
+    assert wrapper.proc is not None
+    children = Path(f"/proc/{wrapper.proc.pid}/task/{wrapper.proc.pid}/children").read_text().split()
+    launchers = [int(pid) for pid in children
+                 if b"mlx._distributed_utils.launch" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(launchers) == 1, children
+    return launchers[0]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU of a process so far (/proc/PID/stat, fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_one_full_rank_refuses_for_all(tiny_model_path: Path, tmp_path: Path) -> None:
