@@ -332,10 +332,10 @@ def test_memory_refusal_is_507_with_the_numbers_and_no_retry(small_machine):
 def test_memory_wait_that_times_out_is_529_overloaded_with_retry_after(small_machine_short_wait):
     p = small_machine_short_wait
     set_ceiling_above_usage(p.url, reservation(1520) * 3 // 2 + MiB)
-    first = StreamInBackground(p.url, "first request", 1500)
+    first = StreamInBackground(p.url, "f" * 1000, 500)  # holds its memory for 500 decode steps
     assert first.started.wait(60)
     r = httpx.post(p.url + "/v1/messages", timeout=60, headers=VERSION, json={
-        "model": MODEL, "max_tokens": 1500, "messages": [{"role": "user", "content": "second one!!!"}]})
+        "model": MODEL, "max_tokens": 500, "messages": [{"role": "user", "content": "s" * 1000}]})
     err = assert_anthropic_error(r, 529, "overloaded_error")
     assert r.headers["x-should-retry"] == "true"
     assert int(r.headers["retry-after"]) >= 1

@@ -183,10 +183,11 @@ def test_eviction_is_lru_and_spares_the_entry_about_to_be_hit(start_server):
 
 def _two_requests_that_fit_one_at_a_time(proc) -> tuple[StreamInBackground, httpx.Response]:
     # Each needs reservation(~1520) = 3.75 MiB; the ceiling leaves room for one and a half.
+    # Mostly prompt (one prefill chunk): the first holds its memory for 500 decode steps.
     set_ceiling_above_usage(proc.url, reservation(1520) * 3 // 2 + MiB)
-    first = StreamInBackground(proc.url, "first request", 1500)
+    first = StreamInBackground(proc.url, "f" * 1000, 500)
     assert first.started.wait(60)
-    second = complete(proc.url, "second one!!!", max_tokens=1500)
+    second = complete(proc.url, "s" * 1000, max_tokens=500)
     return first, second
 
 
@@ -197,7 +198,7 @@ def test_request_waits_for_memory_then_succeeds(small_machine):
     done_at = time.monotonic()
     first.join()
     assert second.status_code == 200, second.text
-    assert second.json()["usage"]["completion_tokens"] == 1500
+    assert second.json()["usage"]["completion_tokens"] == 500
     assert first.finish == "length" and first.finished_at <= done_at
     assert any(d["outcome"] == "wait" for d in decisions_since(proc.url, since))
 
