@@ -112,6 +112,23 @@ def mlx_lm_gemma(gemma_dir: Path) -> tuple[Any, Any]:
     return mlx_lm.load(str(gemma_dir))
 
 
+@pytest.fixture(scope="session")
+def reference_greedy(mlx_lm_gemma: tuple[Any, Any]) -> dict[str, list[int]]:
+    """mlx-lm's 6 greedy tokens after each of PROMPTS (computed once: a forward of this
+    model is a tenth of a second on a 2-core CPU)."""
+    model, tokenizer = mlx_lm_gemma
+    return {p: _greedy(model, tokenizer.encode(p), 6) for p in PROMPTS}
+
+
+@pytest.fixture(scope="session")
+def paragraph_nll(mlx_lm_gemma: tuple[Any, Any]) -> float:
+    """mlx-lm's mean negative log-likelihood of PARAGRAPH's tokens."""
+    model, tokenizer = mlx_lm_gemma
+    ids = mx.array(tokenizer.encode(PARAGRAPH))[None]
+    logits = model(ids[:, :-1]).astype(mx.float32)
+    return float(nn.losses.cross_entropy(logits, ids[:, 1:], reduction="mean").item())
+
+
 def _greedy(model: Any, prompt: list[int], n: int) -> list[int]:
     from mlx_lm.generate import generate_step
 
@@ -147,22 +164,19 @@ def test_greedy_text_is_fluent_and_the_chat_template_is_gemmas(mlx_lm_gemma: tup
     assert tokenizer.eos_token_ids == {1, 106}
 
 
-def test_our_loader_gives_mlx_lm_s_greedy_tokens(gemma_dir: Path, mlx_lm_gemma: tuple[Any, Any]) -> None:
+def test_our_loader_gives_mlx_lm_s_greedy_tokens(gemma_dir: Path, mlx_lm_gemma: tuple[Any, Any],
+                                                reference_greedy: dict[str, list[int]]) -> None:
     from engine.loader import load_model
 
-    reference, tokenizer = mlx_lm_gemma
+    _, tokenizer = mlx_lm_gemma
     ours = load_model(GEMMA_MODEL, progress=lambda _: None)
     assert ours.model_id == GEMMA_MODEL_ID and Path(ours.path) == gemma_dir
     for prompt in PROMPTS:
-        ids = tokenizer.encode(prompt)
-        assert _greedy(ours.model, ids, 6) == _greedy(reference, ids, 6), prompt
+        assert _greedy(ours.model, tokenizer.encode(prompt), 6) == reference_greedy[prompt], prompt
 
 
-def test_perplexity_is_a_working_models(mlx_lm_gemma: tuple[Any, Any]) -> None:
-    model, tokenizer = mlx_lm_gemma
-    ids = mx.array(tokenizer.encode(PARAGRAPH))[None]
-    logits = model(ids[:, :-1]).astype(mx.float32)
-    ppl = math.exp(nn.losses.cross_entropy(logits, ids[:, 1:], reduction="mean").item())
+def test_perplexity_is_a_working_models(paragraph_nll: float) -> None:
+    ppl = math.exp(paragraph_nll)
     assert 5 < ppl < 25, ppl  # 11.8 measured; the norms left at +1 give ~1e8
 
 
@@ -233,7 +247,8 @@ def test_admission_sizes_a_gguf_before_converting_it(
 
 
 def test_the_server_serves_it_with_mlx_lm_s_tokens_and_perplexity(
-        gemma_dir: Path, mlx_lm_gemma: tuple[Any, Any], tmp_path: Path) -> None:
+        gemma_dir: Path, mlx_lm_gemma: tuple[Any, Any], reference_greedy: dict[str, list[int]],
+        paragraph_nll: float, tmp_path: Path) -> None:
     """``--model gemma-3-270m`` through a real server (mlx-lm's own caches: sliding windows):
     greedy completions alone and batched equal mlx-lm's, and the prompt's logprobs (``echo``)
     give mlx-lm's perplexity within 1 %."""
@@ -243,10 +258,9 @@ def test_the_server_serves_it_with_mlx_lm_s_tokens_and_perplexity(
 
     from tests.conftest import MODEL, ServerProcess
 
-    model, tokenizer = mlx_lm_gemma
-    expected = {p: tokenizer.decode(_greedy(model, tokenizer.encode(p), 6)) for p in PROMPTS}
-    ids = mx.array(tokenizer.encode(PARAGRAPH))[None]
-    nll = nn.losses.cross_entropy(model(ids[:, :-1]).astype(mx.float32), ids[:, 1:], reduction="mean")
+    _, tokenizer = mlx_lm_gemma
+    expected = {p: tokenizer.decode(tokens) for p, tokens in reference_greedy.items()}
+    paragraph_tokens = len(tokenizer.encode(PARAGRAPH))
     server = ServerProcess(Path(GEMMA_MODEL)).start(tmp_path, timeout=180)
     try:
         def complete(prompt: str | list[str], **extra: Any) -> dict[str, Any]:
@@ -262,13 +276,13 @@ def test_the_server_serves_it_with_mlx_lm_s_tokens_and_perplexity(
         assert [b["choices"][0]["text"] for b in batched] == [expected[p] for p in PROMPTS]
         echoed = complete(PARAGRAPH, max_tokens=1, echo=True, logprobs=0)
         n = echoed["usage"]["prompt_tokens"]
-        assert n == ids.shape[1]
+        assert n == paragraph_tokens
         prompt_logprobs = echoed["choices"][0]["logprobs"]["token_logprobs"][1:n]
         server_nll = -sum(prompt_logprobs) / len(prompt_logprobs)
         offsets = echoed["choices"][0]["logprobs"]["text_offset"][:n]
         assert offsets == sorted(offsets) and offsets[0] == 0  # BOS takes no room in the echo
         assert PARAGRAPH.startswith(echoed["choices"][0]["logprobs"]["tokens"][2], offsets[2])
-        assert math.exp(server_nll) == pytest.approx(math.exp(nll.item()), rel=0.01)
+        assert math.exp(server_nll) == pytest.approx(math.exp(paragraph_nll), rel=0.01)
 
         # multiple choice by log-likelihood: each option's tokens scored from the echoed
         # prompt; ten questions (thirty scored prompts, in one request) keep a chance pass
