@@ -54,8 +54,9 @@ MAX_FAILED_STEPS_IN_A_ROW = 3
 # At shutdown the prefix cache's blocks go to its disk tier for this long at most (the server
 # waits ENGINE_JOIN_TIMEOUT_S, 30 s, for the engine thread).
 SPILL_S = 10.0
-# Blocks read back from disk between evaluations: what a read-back holds beside the store.
-READ_BACK_BLOCKS = 16
+# A run of blocks read back from disk at once: what a read-back holds beside the store (on
+# the host, then on the device), 16 blocks of an 8B model.
+READ_BACK_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -528,22 +529,27 @@ class EngineCore:
 
     def _read_back(self, seq: Sequence) -> None:
         """Read the hit's blocks on disk into the request's own blocks, after those it
-        shares: its reservation, which admission granted, holds them, and each block's
-        arrays are the only transient. A file that fails its checks ends the read there:
-        the request prefills the rest."""
+        shares: its reservation, which admission granted, holds them, and one run of at most
+        READ_BACK_BYTES (in host memory, then on the device) is the only transient. A file
+        that fails its checks ends the read there: the request prefills the rest."""
         disk, blocks = self.prefix_cache.disk, seq.disk_blocks
         seq.disk_blocks = ()
         assert disk is not None and isinstance(self.store, KVStore)
         self.batch.settle()  # the writes go into a segment the queued decode step may read
         alloc = self.store.get(seq.request_id)
-        for i, (key, parent, tokens) in enumerate(blocks):
-            arrays = disk.read(key, parent, tokens)
-            if arrays is None:
+        start = alloc.length
+        per_run = max(1, READ_BACK_BYTES // disk.block_bytes)
+        for at in range(0, len(blocks), per_run):
+            run = blocks[at : at + per_run]
+            kv = disk.read_blocks(run)
+            if kv is None:
                 break
-            self.store.load_block(seq.request_id, arrays)
-            if i % READ_BACK_BLOCKS == READ_BACK_BLOCKS - 1:
-                mx.eval(alloc.segment.arrays())
-        mx.eval(alloc.segment.arrays())
+            self.store.load_blocks(seq.request_id, kv)
+            mx.eval(alloc.segment.arrays())
+            del kv
+            if alloc.length < start + (at + len(run)) * self.store.block_size:
+                break  # a file failed its checks
+        disk.release_buffer()
         seq.processed = seq.cached_tokens = alloc.length
 
     def _prefill_rate(self) -> float | None:

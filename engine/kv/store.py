@@ -295,19 +295,28 @@ class KVStore:
         rows = slice(block * self.block_size, (block + 1) * self.block_size)
         return [k[rows] for k in seg.keys] + [v[rows] for v in seg.values]
 
-    def load_block(self, request_id: str, arrays: list[mx.array]) -> None:
-        """Write one block's rows (as `block_arrays` gives them) as the request's next
-        block, and count its tokens written. The caller evaluates the segment."""
+    def load_blocks(self, request_id: str, kv: mx.array) -> None:
+        """Write whole blocks' rows, [2 × layers, n × block_size, heads, width] as
+        `block_arrays` gives them block by block (each layer's keys, then values), as the
+        request's next n blocks, and count their tokens written: one update per layer array
+        (a slice where the blocks are consecutive, as a reservation's usually are). The
+        caller evaluates the segment."""
         alloc = self.requests[request_id]
-        if alloc.length % self.block_size:
-            raise ValueError("a block is loaded at a block boundary")
-        block = alloc.table[alloc.length // self.block_size]
-        rows = slice(block * self.block_size, (block + 1) * self.block_size)
+        if alloc.length % self.block_size or kv.shape[1] % self.block_size:
+            raise ValueError("blocks are loaded whole, at a block boundary")
+        start, tokens = alloc.length, kv.shape[1]
+        first, n = start // self.block_size, tokens // self.block_size
+        blocks = alloc.table[first : first + n]
+        rows: slice | mx.array
+        if blocks == list(range(blocks[0], blocks[0] + n)):
+            rows = slice(blocks[0] * self.block_size, (blocks[0] + n) * self.block_size)
+        else:
+            rows = slots_of(alloc.table, self.block_size, start + tokens, start=start)
         layers = self.geometry.num_layers
         for layer in range(layers):
-            alloc.segment.keys[layer][rows] = arrays[layer]
-            alloc.segment.values[layer][rows] = arrays[layers + layer]
-        self.advance(request_id, self.block_size)
+            alloc.segment.keys[layer][rows] = kv[layer]
+            alloc.segment.values[layer][rows] = kv[layers + layer]
+        self.advance(request_id, tokens)
 
     def cache_only_segments(self, held: dict[int, dict[int, int]]) -> list[tuple[int, int]]:
         """(id, bytes) of the segments in which `held` (segment -> block -> holds: the prefix
