@@ -45,6 +45,9 @@ Publish = Callable[[list[RequestOutput]], None]
 # throughput and lengthened TTFT (docs/throughput.md). The server passes its own budget:
 # four chunks on CUDA, where that raised C=64 by 15 % (server.settings.backend_defaults).
 STEP_CHUNKS = 1
+# An idle engine's wake-up: it refreshes its memory figures (and a tensor-parallel rank 0
+# tells the others it is alive, engine.distributed.lockstep).
+IDLE_WAKE_S = 0.5
 
 # Steps in a row that may raise (each failing its own requests) before the engine gives up:
 # one failure is a request's problem, a run of them means the engine itself is broken, and
@@ -319,9 +322,7 @@ class EngineCore:
     def run_forever(self) -> None:
         idle = True
         while not self._stop:
-            # Block while there is nothing to do; when everything waits for memory that
-            # only an abort or a new setting can free, poll gently instead of spinning.
-            self._drain_inbox(timeout=None if not self._has_work() else (0.005 if idle else 0.0))
+            self._drain_inbox(timeout=self.inbox_wait_s(idle))
             if self._stop:
                 break
             idle = not self.step()
@@ -384,9 +385,19 @@ class EngineCore:
     def _has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or len(self.batch))
 
-    def _drain_inbox(self, *, timeout: float | None) -> None:
-        """Take everything queued; wait up to `timeout` seconds for the first (None: 0.5 s)."""
-        wait = 0.5 if timeout is None else timeout
+    def inbox_wait_s(self, idle: bool) -> float:
+        """How long the loop waits for the inbox before its next step (`idle`: the last
+        step could do nothing). Nothing to do: until something comes, waking at least every
+        IDLE_WAKE_S (a tensor-parallel group every `Lockstep.idle_s`: the other ranks wait
+        as long between steps). Everything waiting for memory that only an abort or a new
+        setting can free: a gentle poll instead of a spin."""
+        if not self._has_work():
+            return self.lockstep.idle_s if self.lockstep is not None else IDLE_WAKE_S
+        return 0.005 if idle else 0.0
+
+    def _drain_inbox(self, *, timeout: float) -> None:
+        """Take everything queued; wait up to `timeout` seconds for the first."""
+        wait = timeout
         try:
             item = self.inbox.get(timeout=wait) if wait > 0 else self.inbox.get_nowait()
         except queue.Empty:

@@ -7,9 +7,13 @@ steers one comes from rank 0:
 - **The step plan.** Before each step every rank `all_gather`s one row: its memory reading
   and a digest of its engine state after the previous step. Rank 0's row also carries the
   plan: the requests that joined its inbox and the aborts, in arrival order, and its clock
-  (wait timeouts are measured on it). The others apply the plan, then all step. Rank 0
-  sends a row at least twice a second even when idle (the engine loop's idle wake-up), so
-  silence means trouble (see `watchdog`).
+  (wait timeouts are measured on it). The others apply the plan, then all step. Idle,
+  every rank waits `IDLE_S` between steps (rank 0 on its inbox, the others asleep), so they
+  meet at the next exchange together: a rank that arrives first waits inside MLX's ring
+  collective, which polls its sockets and spins a core (a follower that stepped
+  back to back burned one whole core on an idle server). A request that arrives meanwhile
+  waits at most `IDLE_S` for the others. Rank 0 so sends a row many times a second even
+  when idle, and silence means trouble (see `watchdog`).
 - **Admission.** Rank 0 decides on the tightest rank's reading (`GroupProbe`); each
   decision, at the point the scheduler asks for it, is broadcast, and the other ranks act
   on that decision instead of asking their own guard. A refusal therefore happens on all
@@ -44,6 +48,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mlx_headroom.distributed")
 
+IDLE_S = 0.05  # every rank's wait between idle steps (the first request after idle waits as long)
 PLAN_INLINE_WORDS = ROW_WORDS - 256  # room left in rank 0's row after its reading
 DECISION_WORDS = 1024
 
@@ -87,6 +92,7 @@ class Lockstep:
         self._ops: list[list[Any]] = []  # rank 0: ["submit", request] / ["abort", id], in order
         self._digest: list[int] = []
         self.steps = 0
+        self.idle_s = IDLE_S
 
     def clock(self) -> float:
         return self.now

@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -155,8 +156,13 @@ class Rank:
         try:
             loaded = self._join()
             core = self._make_core(loaded, self.make_guard(self.local_probe), self.config, lambda outs: None)
+            idle = True
             while not core._stop:
-                core.step()
+                # rank 0's engine loop waits as long on its inbox: the two meet at the next step
+                wait = core.inbox_wait_s(idle)
+                if wait:
+                    time.sleep(wait)
+                idle = not core.step()
         except BaseException as exc:
             print(f"mlx-headroom: rank {self.rank}: the tensor-parallel group failed: {exc}",
                   file=sys.stderr, flush=True)

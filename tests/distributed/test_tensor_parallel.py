@@ -74,12 +74,16 @@ def test_split_model_answers_as_the_whole_one(server: ServerProcess, tiny_model_
         memory = httpx.get(tp.url + "/v1/memory", timeout=10).json()["tensor_parallel"]
         assert memory["size"] == 2 and [r["rank"] for r in memory["ranks"]] == [0, 1]
         assert all(r["usage_bytes"] > 0 and r["ceiling_bytes"] > 0 for r in memory["ranks"])
-        # The launcher only relays the ranks' output: idle, it sleeps (its relay loop once
-        # spun on the ranks' always-writable stdin pipes: 1.2 CPU-seconds a second).
-        launcher = launcher_process(tp)
-        used = cpu_seconds(launcher)
-        time.sleep(1.0)  # a window to measure the idle launcher's CPU over, not a wait
-        assert cpu_seconds(launcher) - used < 0.2
+        # Idle, the group sleeps. The launcher only relays the ranks' output (its relay loop
+        # once spun on the ranks' always-writable stdin pipes: 1.2 CPU-seconds a second), and
+        # rank 1 waits between steps as rank 0 does (stepping back to back, it spun inside
+        # the ring's all_gather until rank 0's next idle row: 1.0 CPU-second a second).
+        idle = [launcher_process(tp), rank_pids(tp)[1]]
+        used = [cpu_seconds(pid) for pid in idle]
+        time.sleep(1.0)  # a window to measure the idle processes' CPU over, not a wait
+        launcher_cpu, follower_cpu = (cpu_seconds(pid) - u for pid, u in zip(idle, used, strict=True))
+        assert launcher_cpu < 0.2 and follower_cpu < 0.3, (launcher_cpu, follower_cpu)
+        assert complete(tp.url, 4).json()["choices"][0]["text"]  # and wakes for the next request
     finally:
         assert tp.stop() == 0, tp.log()  # rank 0 drained and told rank 1 to stop
 
