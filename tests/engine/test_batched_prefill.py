@@ -126,3 +126,41 @@ def test_the_runner_puts_a_steps_chunks_in_one_call_per_segment(tiny_loaded, pre
     calls = runner.prefill([(s, min(s.remaining_prefill, 50)) for s in seqs])
     assert calls == (1 if prefill_batch > 1 else len(ROWS))
     assert [store.get(s.request_id).length for s in seqs] == [min(s.prompt_len - 1, 50) for s in seqs]
+
+
+@pytest.mark.parametrize("bucket", [0, 64])
+@pytest.mark.parametrize("shapes", [ROWS, SAME], ids=["ragged", "same"])
+def test_each_row_attends_exactly_its_own_keys(shapes, bucket):
+    """Attention itself on random K/V of real magnitude: the tiny model's logits hardly
+    move when a query sees a few keys more or less, so its logit tests cannot catch a mask
+    that lets a row see another position's keys. Each row's real queries, under the call's
+    mask over its gathered keys (padded to a bucket or not), must give what its own keys
+    give under SDPA's causal mask."""
+    geometry = KVGeometry(1, 2, 32, mx.float32)
+    store = KVStore(geometry, segment_tokens=1024, key_bucket=bucket)
+    rng = np.random.default_rng(len(shapes) + bucket)
+    keys = {i: [mx.array(rng.standard_normal((1, 2, p, 32)).astype(np.float32)) for _ in range(2)]
+            for i, (p, _, _) in enumerate(shapes)}
+    rows = []
+    for i, (p, done, n) in enumerate(shapes):
+        alloc = store.reserve(f"r{i}", p)
+        k, v = keys[i]
+        if done:
+            prefill_caches(store, alloc, done)[0].update_and_fetch(k[:, :, :done], v[:, :, :done])
+            mx.eval(alloc.segment.arrays())
+            store.advance(f"r{i}", done)
+        rows.append(PrefillRow(alloc, tuple(range(n))))
+    plan = plan_prefill(store, rows)
+    t = plan.inputs.shape[1]
+    chunk_k, chunk_v = (
+        mx.concatenate([mx.pad(keys[i][j][:, :, done:done + n], [(0, 0), (0, 0), (0, t - n), (0, 0)])
+                        for i, (_, done, n) in enumerate(shapes)])
+        for j in range(2))
+    cache = batch_prefill_caches(plan, 1)[0]
+    got_k, got_v = cache.update_and_fetch(chunk_k, chunk_v)
+    q = mx.array(rng.standard_normal((len(shapes), 4, t, 32)).astype(np.float32))
+    got = np.array(mx.fast.scaled_dot_product_attention(q, got_k, got_v, scale=0.2, mask=cache.make_mask(t)))
+    for i, (_, done, n) in enumerate(shapes):
+        k, v = (a[:, :, : done + n] for a in keys[i])
+        want = mx.fast.scaled_dot_product_attention(q[i : i + 1, :, :n], k, v, scale=0.2, mask="causal")
+        np.testing.assert_allclose(got[i, :, :n], np.array(want)[0], rtol=1e-5, atol=1e-5)
