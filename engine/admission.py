@@ -337,7 +337,7 @@ class Admission:
 
     def _keys(self, end: int) -> int:
         """The keys a prefill call ending at `end` attends: padded where the store pads them."""
-        return padded_keys(end, getattr(self.store, "key_bucket", 0))
+        return padded_keys(end, self.store.key_bucket)
 
     def chunk_prediction(self, seq: Sequence, tokens: int) -> int:
         """The chunk's transient alone (no join), as the tracker predicts it now."""

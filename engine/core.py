@@ -274,7 +274,7 @@ class EngineCore:
         self.prefilling: list[Sequence] = []  # in admission order; each step runs them in prefill_order
         self.step_budget = StepBudget(
             config.max_decode_stall_s, floor_tokens=config.min_chunk_tokens,
-            quantum_tokens=QUERY_QUANTUM if getattr(self.store, "key_bucket", 0) else 0,
+            quantum_tokens=QUERY_QUANTUM if self.store.key_bucket else 0,
         )
         disk = self.prefix_cache.disk
         if disk is not None and disk.calibration.get("prefill"):

@@ -59,6 +59,7 @@ UNPADDABLE = {
 class DenseStore:
     block_size = KV_STEP  # the step mlx-lm's caches grow by
     geometry = None  # no paged layout
+    key_bucket = 0  # mlx-lm's caches give SDPA keys of their own lengths (engine.kv.buckets)
 
     def __init__(self, model: Any, layout: CacheLayout, *, chunk_tokens: int) -> None:
         self.model = model
