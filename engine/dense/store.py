@@ -71,6 +71,8 @@ class DenseStore:
         self.batch: list[Any] | None = None  # merged caches of those rows (when `merges`)
         self.merges = (layout.mergeable and layout.batched
                        and type(model).__module__ not in UNPADDABLE)
+        # a token of left padding in a merged batch: every full entry's keys and values
+        self._padded_bytes_per_token = sum(c.bytes_per_token for c in layout.layers if c.held_as == FULL)
 
     # ---- sizes -----------------------------------------------------------------------
     def blocks_for(self, tokens: int) -> int:
@@ -88,8 +90,7 @@ class DenseStore:
         own = sum(self.reservation_bytes(n) for n in lens)
         if not self.merges or len(lens) < 2:
             return own
-        padded = sum(c.bytes_per_token for c in self.layout.layers if c.held_as == FULL)
-        return own + padded * sum(max(lens) - n for n in lens)
+        return own + self._padded_bytes_per_token * sum(max(lens) - n for n in lens)
 
     def growth_bytes(self, tokens: int, shared: SharedPrefix | None = None, *, exact: bool = False) -> int:
         """All of it is new (mlx-lm's caches allocate as they grow), and its row may lengthen
