@@ -32,7 +32,7 @@ import mlx.core as mx
 from engine.kv import KVStore
 from engine.kv.buckets import padded_keys
 from engine.kv.prefill import needs_array_mask
-from engine.prompt_scoring import SCORING_BUFFERS
+from engine.prompt_scoring import scoring_bytes
 from engine.sequence import Sequence
 from memory import (
     AdmissionQuery,
@@ -353,5 +353,6 @@ class Admission:
         )
         scoring = 0
         if seq.scores_prompt:  # its chunk's logits are evaluated and scored
-            scoring = tokens * self.geometry.vocab_size * 4 * SCORING_BUFFERS
+            scoring = scoring_bytes(tokens, self.geometry.vocab_size, self.geometry.dtype_bytes,
+                                    seq.request.prompt_logprobs or 0)
         return self.tracker.predict(tokens, estimate.total_bytes) + scoring

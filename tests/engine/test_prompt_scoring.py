@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from engine import EngineRequest, SamplingParams
+from engine.prompt_scoring import score_chunk, scoring_bytes
 
 
 def _prompt(seed: int, n: int) -> tuple[int, ...]:
@@ -125,3 +126,22 @@ def test_scoring_costs_no_second_forward_pass(scoring_engine, tiny_loaded, monke
     h.run_until(lambda: "s" in h.out.finished)
     assert len(_scores(h, "s")) == len(prompt)
     assert fed == [64, 64, 21]  # the prompt but its last token, whose logits score nothing
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("top", [0, 5])
+def test_scoring_holds_no_more_than_admission_counts(dtype, top):
+    """The chunk's logits and everything scoring them allocates, at its peak, fit in what
+    admission adds for a scored chunk (the log-softmax and a negated copy for the top-k
+    once took 4.0 [T, vocab] float32 buffers where admission counted 3)."""
+    tokens, vocab = 128, 65536
+    rng = np.random.default_rng(top)
+    hidden = mx.array(rng.standard_normal((tokens, 32)).astype(np.float32)).astype(dtype)
+    head = mx.array(rng.standard_normal((vocab, 32)).astype(np.float32)).astype(dtype)
+    mx.eval(hidden, head)
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    scores = score_chunk(hidden @ head.T, list(range(tokens)), top)
+    peak = mx.get_peak_memory() - before
+    assert len(scores) == tokens and all(len(s.top) == top for s in scores)
+    assert peak <= scoring_bytes(tokens, vocab, dtype.size, top) + (1 << 20), peak
