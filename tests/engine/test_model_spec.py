@@ -79,3 +79,23 @@ def test_only_host_reads_in_the_forward_keep_a_model_from_being_probed_unloaded(
     layout = probe_cache_layout(tiny_archs.build("prism_hadamard_qwen35", evaluate=False))
     assert layout.kinds() == {"state": 2, "full": 2}
     assert mx.get_active_memory() - before < 1 << 16
+
+
+def test_a_layouts_bytes_written_sum_its_entries_whatever_their_kinds() -> None:
+    """The engine reports every row's written bytes at every step from one rate per window
+    (`CacheLayout.bytes_used`): it must equal the entries' own figures summed, for full,
+    window, chunked, state and quantized entries side by side."""
+    from engine.cache_layout import CHUNKED, FULL, QUANTIZED, STATE, WINDOW, CacheLayout, LayerCache
+
+    layers = (
+        LayerCache(FULL, "KVCache", bytes_per_token=256),
+        LayerCache(WINDOW, "RotatingKVCache", bytes_per_token=128, window=64),
+        LayerCache(WINDOW, "RotatingKVCache", bytes_per_token=128, window=64),
+        LayerCache(WINDOW, "RotatingKVCache", bytes_per_token=96, window=512),
+        LayerCache(CHUNKED, "ChunkedKVCache", bytes_per_token=64, window=128),
+        LayerCache(STATE, "ArraysCache", fixed_bytes=10_000),
+        LayerCache(QUANTIZED, "QuantizedKVCache", bytes_per_token=40),
+    )
+    layout = CacheLayout(layers, entries=len(layers), vocab_size=256, dtype=mx.float32)
+    for tokens in (0, 1, 63, 64, 65, 127, 128, 129, 511, 512, 513, 10_000):
+        assert layout.bytes_used(tokens) == sum(c.bytes_used(tokens) for c in layers), tokens
