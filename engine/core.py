@@ -397,9 +397,8 @@ class EngineCore:
 
     def _drain_inbox(self, *, timeout: float) -> None:
         """Take everything queued; wait up to `timeout` seconds for the first."""
-        wait = timeout
         try:
-            item = self.inbox.get(timeout=wait) if wait > 0 else self.inbox.get_nowait()
+            item = self.inbox.get(timeout=timeout) if timeout > 0 else self.inbox.get_nowait()
         except queue.Empty:
             return
         while True:

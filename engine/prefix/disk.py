@@ -258,12 +258,6 @@ class DiskTier:
         self._enforce_cap()
 
     # ---- reading ---------------------------------------------------------------------
-    def read(self, key: ChainKey, parent: ChainKey, tokens: Seq[int]) -> list[mx.array] | None:
-        """One block's arrays (each layer's keys, then values), evaluated; None when its file
-        is missing, damaged, or not this block of this model: such a file is removed."""
-        kv = self.read_blocks([(key, parent, tokens)])
-        return None if kv is None else [kv[i] for i in range(2 * self.num_layers)]
-
     def read_blocks(self, blocks: Seq[DiskBlock]) -> mx.array | None:
         """The leading blocks of `blocks` whose files pass their checks, as one evaluated
         array [2 × layers, n × block_size, heads, width] (each layer's keys, then values);

@@ -243,7 +243,7 @@ def test_the_folder_stays_under_its_cap_least_recently_used_files_first(tmp_path
     disk = tier(tmp_path / "disk", cap)
     a, b, c = (write(disk, n) for n in (11, 12, 13))
     assert on_disk(disk)[0] == {a, b, c}
-    assert disk.read(a, ROOT, (11,) * BS) is not None  # a read makes a the most recent
+    assert disk.read_blocks([(a, ROOT, (11,) * BS)]) is not None  # a read makes a the most recent
     d = write(disk, 14)
     keys, nbytes = on_disk(disk)
     assert keys == {a, c, d} and nbytes <= cap and disk.nbytes == nbytes  # b, least recent, went
