@@ -90,3 +90,8 @@ class BlockAllocator:
 
     def refs(self, block: int) -> int:
         return self._refs[block]
+
+
+def consecutive(blocks: list[int]) -> bool:
+    """Blocks that are one run of consecutive ids: their slots are one slice of the pool."""
+    return blocks == list(range(blocks[0], blocks[0] + len(blocks)))

@@ -25,6 +25,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from engine.kv.blocks import consecutive
 from engine.kv.buckets import padded_keys
 from engine.kv.device_vectors import device_vector
 from engine.kv.masks import additive_mask
@@ -207,7 +208,7 @@ class DecodeTables:
             run = members[0].table if len(members) == 1 else None
             self._groups.append(_GroupTables(
                 rows, None if single else device_vector(rows),
-                table, mx.array(table), run[0] if run and _consecutive(run) else None,
+                table, mx.array(table), run[0] if run and consecutive(run) else None,
             ))
         self._order = None
         if not single:
@@ -222,10 +223,6 @@ def table_width(capacity: int) -> int:
     of nearby sizes share graphs instead of each tracing its own; the padding is never read
     (attention stops at each row's length)."""
     return 1 << max(capacity - 1, 0).bit_length()
-
-
-def _consecutive(blocks: list[int]) -> bool:
-    return blocks == list(range(blocks[0], blocks[0] + len(blocks)))
 
 
 def _same_rows(allocs: list[Allocation], kept: list[weakref.ref[Allocation]]) -> bool:

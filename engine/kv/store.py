@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from engine.kv.blocks import BlockAllocator
+from engine.kv.blocks import BlockAllocator, consecutive
 from engine.kv.quant import KVQuant
 
 DEFAULT_BLOCK_SIZE = 16
@@ -308,7 +308,7 @@ class KVStore:
         first, n = start // self.block_size, tokens // self.block_size
         blocks = alloc.table[first : first + n]
         rows: slice | mx.array
-        if blocks == list(range(blocks[0], blocks[0] + n)):
+        if consecutive(blocks):
             rows = slice(blocks[0] * self.block_size, (blocks[0] + n) * self.block_size)
         else:
             rows = slots_of(alloc.table, self.block_size, start + tokens, start=start)
