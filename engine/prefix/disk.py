@@ -120,6 +120,9 @@ class DiskTier:
         (heads, width), self.dtype = row_shape
         self.shape = (block_size, heads, width)
         self.num_layers = num_layers
+        # a block file's tensors: each layer's keys, then each layer's values
+        self._names = [f"{kv}.{i}" for kv in "kv" for i in range(num_layers)]
+        self._name_set = frozenset(self._names)
         self.block_bytes = 2 * num_layers * block_size * heads * width * self.dtype.size
         self._files: OrderedDict[ChainKey, int] = OrderedDict()  # key -> file size, least recent first
         self._bytes = 0
@@ -320,7 +323,7 @@ class DiskTier:
             meta = header.pop("__metadata__", None) or {}
             if any(meta.get(k) != v for k, v in expected.items()):
                 raise ValueError("not this block of this model")
-            if set(header) != set(self._names):
+            if header.keys() != self._name_set:
                 raise ValueError("not the store's layers")
             size = out.shape[1] * out.itemsize
             spans = []
@@ -341,10 +344,6 @@ class DiskTier:
                     raise ValueError("the file ends early")
         finally:
             os.close(fd)
-
-    @property
-    def _names(self) -> list[str]:
-        return [f"{kv}.{i}" for kv in "kv" for i in range(self.num_layers)]
 
     def _metadata(self, key: ChainKey, parent: ChainKey, tokens: Seq[int]) -> dict[str, str]:
         return {"format": FORMAT, "model": self.identity, "key": key.hex(), "parent": parent.hex(),
