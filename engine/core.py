@@ -283,6 +283,8 @@ class EngineCore:
             except (KeyError, TypeError, ValueError) as exc:
                 log.warning("prefix cache: ignoring the saved prefill cost line: %s", exc)
         self._prefill_s = 0.0  # this step's prefill calls, waits for the queued decode step excluded
+        self._step_prompt_tokens = 0  # this step's prompt tokens prefilled
+        self._step_context = 0  # the furthest context a chunk of this step started at
         self.inbox: queue.SimpleQueue[_Submit | _Abort | _Call | None] = queue.SimpleQueue()
         self.stats = EngineStats()
         self._counters = dict(
@@ -363,6 +365,12 @@ class EngineCore:
             self._step_failed(exc, list(self.batch.seqs))
         if decoding:
             self.step_budget.observe_step(time.perf_counter() - started, self._prefill_s)
+        if log.isEnabledFor(logging.DEBUG) and self._counters["prefill_chunks"] != chunks_before:
+            log.debug("step: %d rows decoding, %d prompt tokens in %d chunks (context up to %d), "
+                      "prefill %.1f ms, step %.1f ms",
+                      decoding, self._step_prompt_tokens, self._counters["prefill_chunks"] - chunks_before,
+                      self._step_context,
+                      self._prefill_s * 1e3, (time.perf_counter() - started) * 1e3)
         if self.admission.upkeep_due():
             self._trim_prefix_cache(self.admission.upkeep(
                 self.admission.committed_bytes(self._admitted(), self._allocated_kv())))
@@ -656,6 +664,7 @@ class EngineCore:
         # rank's own clock would cut their chunks differently, so they keep the token budget.
         self.step_budget.begin(decoding=bool(len(self.batch)) and self.lockstep is None)
         self._prefill_s = 0.0
+        self._step_prompt_tokens = 0
         ran: set[str] = set()  # prompts that ran a chunk this step
         while budget > 0:
             planned, predicted, stopped = self._gather_chunks(budget, ran=ran)
@@ -770,6 +779,8 @@ class EngineCore:
         self._counters["prefill_calls"] += self.batch.prefill(chunks)
         seconds = time.perf_counter() - started - (self.batch.settle_s - settled)
         self._prefill_s += seconds
+        self._step_prompt_tokens += tokens
+        self._step_context = max(s.processed for s, _ in chunks)
         self.step_budget.observe_prefill([(s.processed, n) for s, n in chunks], seconds)
         self.admission.observe_chunk(tokens, max(mx.get_peak_memory() - active_before, 0), predicted)
         # No clear_cache here: the guard has memory handed back when admission needs room.
