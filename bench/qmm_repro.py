@@ -67,6 +67,34 @@ def dense_rows(args: argparse.Namespace) -> list[list[str]]:
     return rows
 
 
+def prefill_rows(args: argparse.Namespace) -> list[list[str]]:
+    """Many rows at once (a prefill chunk): the quantized product against the same weight
+    dequantized first and multiplied as bf16, and against the original bf16 weight."""
+    dense = mx.random.normal((args.n, args.k)).astype(args.dtype)
+    w, s, b = quantize(dense, args)
+    mx.eval(dense, w, s, b)
+
+    def quantized(x: mx.array) -> mx.array:
+        return mx.quantized_matmul(x, w, s, b, transpose=True, group_size=args.group_size,
+                                   bits=args.bits, mode=args.mode)
+
+    def dequantized(x: mx.array) -> mx.array:
+        full = mx.dequantize(w, s, b, group_size=args.group_size, bits=args.bits, mode=args.mode)
+        return x @ full.astype(x.dtype).T
+
+    def unquantized(x: mx.array) -> mx.array:
+        return x @ dense.T
+
+    rows = []
+    for m in args.prefill_rows:
+        x = mx.random.normal((m, args.k)).astype(args.dtype)
+        mx.eval(x)
+        us = [timed_us(partial(f, x), args.iters, args.warmup) for f in (quantized, dequantized, unquantized)]
+        tflops = [2 * m * args.k * args.n / t / 1e6 for t in us]
+        rows.append([str(m), *(f"{t:,.0f}" for t in us), *(f"{t:,.0f}" for t in tflops)])
+    return rows
+
+
 def expert_rows(args: argparse.Namespace) -> list[list[str]]:
     d, e, k = args.expert_dims, args.experts, args.top_k
     w, s, b = quantize(mx.random.normal((e, d, d)).astype(args.dtype), args)
@@ -119,6 +147,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=lambda v: [int(b) for b in v.split(",")],
                         default=[1, 8, 32, 64])
+    parser.add_argument("--prefill-rows", type=lambda v: [int(b) for b in v.split(",")],
+                        default=[128, 512, 2048, 8192])
     parser.add_argument("--k", type=int, default=4096, help="input dims of the dense weight")
     parser.add_argument("--n", type=int, default=28672, help="output dims of the dense weight")
     parser.add_argument("--experts", type=int, default=32)
@@ -139,6 +169,10 @@ def main() -> None:
     print(f"\nmx.quantized_matmul, weight {args.n}×{args.k}: µs per call, GB/s of weight read")
     print(table(["B", "(B,1,K) µs", "(B,K) µs", "ratio", "(B,1,K) GB/s", "(B,K) GB/s"],
                 dense_rows(args)))
+    print(f"\nPrefill rows, weight {args.n}×{args.k}: quantized_matmul, dequantize then matmul, "
+          "the unquantized weight; µs per call, then TFLOP/s")
+    print(table(["M", "qmm µs", "dequant+mm µs", "bf16 µs", "qmm TF/s", "dequant+mm TF/s", "bf16 TF/s"],
+                prefill_rows(args)))
     print(f"\nmx.gather_qmm, {args.experts} experts of {args.expert_dims}×{args.expert_dims}, "
           f"top {args.top_k}: µs per call, GB/s of the selected experts' weights")
     print(table(["B", "(B,1,1,1,K) µs", "rows µs", "rows sorted µs",
