@@ -6,7 +6,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +115,8 @@ def load_model(
     its own (lower, or higher where its RoPE scaling reaches; `engine.context`)."""
     import mlx_lm
 
-    from engine.quantized import flatten_quantized  # it subclasses mlx-lm's MoE layer: at use
+    # it subclasses mlx-lm's MoE layer: imported at use
+    from engine.quantized import default_dequantize_rows, flatten_quantized, largest_dequantized_bytes
 
     started = time.monotonic()
     if load_format == "dummy":
@@ -133,7 +134,9 @@ def load_model(
         loaded_model, tokenizer = mlx_lm.load(source)
     mx.eval(loaded_model.parameters())
     fused = fuse(loaded_model).groups if fuse_projections else 0
-    flat = flatten_quantized(loaded_model)  # after fusion: its fused copies are swapped too
+    backend = backend_name()
+    # after fusion: its fused copies are swapped too
+    flat = flatten_quantized(loaded_model, dequantize_rows=default_dequantize_rows(backend))
     path = Path(source) if Path(source).exists() else None
     if path is None:
         from mlx_lm.utils import _download
@@ -141,6 +144,9 @@ def load_model(
         path = Path(_download(source))
     layout = probe_cache_layout(loaded_model, weights_loaded=True)
     geometry = geometry_for(loaded_model, layout)
+    if flat:
+        geometry = replace(geometry, prefill_weight_bytes=largest_dequantized_bytes(
+            loaded_model, geometry.dtype_bytes))
     weight_bytes = sum(v.nbytes for _, v in _flatten(loaded_model.parameters()))
     loaded = LoadedModel(
         model=loaded_model,
@@ -148,7 +154,7 @@ def load_model(
         model_id=name,
         path=str(path),
         geometry=geometry,
-        backend=backend_name(),
+        backend=backend,
         context_length=served_context_length(path, tokenizer, context_length, name),
         weight_bytes=weight_bytes,
         fused_groups=fused,

@@ -41,16 +41,25 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 def _flat_quantized_matmul(module: Any, x: mx.array) -> mx.array:
     lead = x.shape[:-1]
-    out = mx.quantized_matmul(
-        x.reshape(-1, x.shape[-1]),
-        module["weight"],
-        scales=module["scales"],
-        biases=module.get("biases"),
-        transpose=True,
-        group_size=module.group_size,
-        bits=module.bits,
-        mode=module.mode,
-    )
+    rows = x.reshape(-1, x.shape[-1])
+    threshold = getattr(module, "dequantize_rows", 0)
+    if threshold and rows.shape[0] >= threshold:
+        weight = mx.dequantize(
+            module["weight"], module["scales"], module.get("biases"), group_size=module.group_size,
+            bits=module.bits, mode=module.mode, global_scale=module.get("global_scale"), dtype=x.dtype,
+        )
+        out = rows @ weight.T
+    else:
+        out = mx.quantized_matmul(
+            rows,
+            module["weight"],
+            scales=module["scales"],
+            biases=module.get("biases"),
+            transpose=True,
+            group_size=module.group_size,
+            bits=module.bits,
+            mode=module.mode,
+        )
     return out.reshape(*lead, out.shape[-1])
 
 
@@ -109,6 +118,18 @@ class FlatQuantizedSwitchLinear(QuantizedSwitchLinear):
         return out
 
 
+CUDA_DEQUANTIZE_ROWS = 512
+
+
+def default_dequantize_rows(backend: str) -> int:
+    """From how many rows a dense quantized projection dequantizes on `backend` (0: never)."""
+    return CUDA_DEQUANTIZE_ROWS if backend == "cuda" else 0
+
+
+# The output head meets many rows only when a prompt is scored (a prefill call's logits are
+# never evaluated otherwise), and dequantized it would be the largest transient by far.
+OUTPUT_HEADS = frozenset({"lm_head", "output"})
+
 _FLAT: dict[type, type] = {
     nn.QuantizedLinear: FlatQuantizedLinear,
     nn.QuantizedEmbedding: FlatQuantizedEmbedding,
@@ -116,12 +137,27 @@ _FLAT: dict[type, type] = {
 }
 
 
-def flatten_quantized(model: nn.Module) -> int:
-    """Give every quantized projection of `model` a 2-D matmul; returns how many."""
+def flatten_quantized(model: nn.Module, *, dequantize_rows: int = 0) -> int:
+    """Give every quantized projection of `model` a 2-D matmul; returns how many.
+    `dequantize_rows`: from this many rows up, a dense projection (not the experts')
+    dequantizes its weight and multiplies in the activations' dtype (0: never)."""
     swapped = 0
-    for _, module in model.named_modules():
+    for name, module in model.named_modules():
         flat = _FLAT.get(type(module))
         if flat is not None:
             module.__class__ = flat
             swapped += 1
+        if isinstance(module, FlatQuantizedLinear):
+            module.dequantize_rows = 0 if name.rsplit(".", 1)[-1] in OUTPUT_HEADS else dequantize_rows
     return swapped
+
+
+def largest_dequantized_bytes(model: nn.Module, dtype_bytes: int) -> int:
+    """The largest weight a dequantizing projection of `model` materialises, in bytes: the
+    transient a prefill call holds beside its activations (one projection at a time)."""
+    largest = 0
+    for _, module in model.named_modules():
+        if getattr(module, "dequantize_rows", 0):
+            rows, packed = module["weight"].shape[-2:]
+            largest = max(largest, rows * packed * 32 // module.bits * dtype_bytes)
+    return largest

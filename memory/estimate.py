@@ -172,6 +172,9 @@ class ModelGeometry:
     # kind's terms, so that a sequence is sized as its caches hold it. None: every layer
     # holds every token at ``kv_bytes_per_token``.
     kv_layout: KVLayout | None = None
+    # A weight a prefill call materialises beside its activations, one at a time (quantized
+    # projections that the engine dequantizes for many rows); 0: none.
+    prefill_weight_bytes: int = 0
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -409,7 +412,7 @@ def estimate_prefill(
     # fused gate/up (2) and the activation (1), plus one: the fused model's measured peaks
     # (bench/estimate_vs_measured.py) exceeded the estimate by up to 7 % without it
     mlp = 4 * b * c * g.intermediate_size * dt
-    activation = hidden + projections + mlp
+    activation = hidden + projections + mlp + g.prefill_weight_bytes
 
     logits = b * g.vocab_size * 4
     return PrefillEstimate(

@@ -119,3 +119,64 @@ def test_a_tied_quantized_head_multiplies_rows_and_changes_no_token(make_engine,
     assert ((len(PROMPTS), 64), tiny_archs.VOCAB) in seen  # the head, on one row per sequence
     h.run_until(lambda: len(h.out.finished) == len(PROMPTS))
     assert h.out.tokens == expected
+
+
+def test_a_prefill_sized_projection_dequantizes_its_weight_and_a_decode_step_does_not(quantized_path):
+    """From `dequantize_rows` rows up, a quantized projection multiplies its dequantized
+    weight (MLX's CUDA quantized product is slow for many rows); below it, and in the output
+    head, it keeps the quantized product. The geometry counts the largest such weight."""
+    import mlx.nn as nn
+    from mlx_lm import load
+
+    from engine.quantized import FlatQuantizedLinear, flatten_quantized, largest_dequantized_bytes
+
+    model, _ = load(str(quantized_path))
+    flatten_quantized(model, dequantize_rows=8)
+    proj = model.model.layers[0].mlp.gate_proj
+    assert isinstance(proj, FlatQuantizedLinear) and proj.dequantize_rows == 8
+    assert model.lm_head.dequantize_rows == 0  # the head: only a scored prompt gives it many rows
+    weight = mx.dequantize(proj["weight"], proj["scales"], proj["biases"], group_size=proj.group_size,
+                           bits=proj.bits, dtype=mx.float32)
+    for rows in (3, 8, 20):
+        x = mx.random.normal((1, rows, weight.shape[1]), key=mx.random.key(rows))
+        quantized = mx.quantized_matmul(x, proj["weight"], proj["scales"], proj["biases"],
+                                        group_size=proj.group_size, bits=proj.bits)
+        out = proj(x)
+        assert out.shape == (1, rows, weight.shape[0])
+        if rows >= 8:
+            assert mx.array_equal(out, (x.reshape(rows, -1) @ weight.T).reshape(out.shape)).item()
+        else:
+            assert mx.array_equal(out, quantized).item()
+        assert mx.allclose(out, quantized, atol=1e-4, rtol=1e-4).item()
+    largest = max(m["weight"].shape[0] * m["weight"].shape[1] * 32 // m.bits
+                  for name, m in model.named_modules()
+                  if isinstance(m, nn.QuantizedLinear) and not name.endswith("lm_head"))
+    assert largest_dequantized_bytes(model, 4) == 4 * largest > 0
+
+
+def test_the_prefill_estimate_counts_a_dequantized_weight():
+    from dataclasses import replace
+
+    from memory.estimate import ModelGeometry, estimate_prefill
+
+    g = ModelGeometry(num_layers=4, num_heads=8, num_kv_heads=2, head_dim=64, hidden_size=512,
+                      intermediate_size=1536, vocab_size=1000)
+    plain = estimate_prefill(g, chunk_tokens=512, context_tokens=0)
+    counted = estimate_prefill(replace(g, prefill_weight_bytes=3 << 20), chunk_tokens=512, context_tokens=0)
+    assert counted.total_bytes - plain.total_bytes == 3 << 20
+
+
+def test_dequantized_prefill_changes_no_token(make_engine, quantized_path, monkeypatch):
+    """Prefill chunks through dequantized weights (every call of 4 rows or more), decode
+    through the quantized product: greedy output is still mlx-lm's, alone and batched."""
+    import engine.quantized
+
+    monkeypatch.setattr(engine.quantized, "default_dequantize_rows", lambda backend: 4)
+    loaded = load_model(str(quantized_path), model_id="tiny-4bit")
+    assert loaded.geometry.prefill_weight_bytes > 0
+    expected = {f"q{i}": _mlx_lm_greedy(quantized_path, _prompt(i, n), m) for i, (n, m) in enumerate(PROMPTS)}
+    h = make_engine(loaded=loaded, prefix_cache_bytes=0)
+    for i, (n, m) in enumerate(PROMPTS):
+        h.submit(EngineRequest(f"q{i}", _prompt(i, n), m, SamplingParams(temperature=0.0)))
+    h.run_until(lambda: len(h.out.finished) == len(PROMPTS))
+    assert h.out.tokens == expected
