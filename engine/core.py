@@ -254,7 +254,8 @@ class EngineCore:
         self.batch: Runner | DenseRunner
         if isinstance(self.store, DenseStore):
             checkpoints = self.prefix_cache if isinstance(self.prefix_cache, DensePrefixCache) else None
-            self.batch = DenseRunner(self.model, self.store, checkpoints)
+            self.batch = DenseRunner(self.model, self.store, checkpoints,
+                                     prefill_batch=config.prefill_batch)
         else:
             overlap = on_cuda_by_default(config.decode_overlap, loaded.backend)
             compiled = None

@@ -1,7 +1,8 @@
 """The model calls of the dense path: mlx-lm's semantics, the paged runner's interface.
 
 Prefill runs each request's chunk through the model with the request's own caches, one
-request per call, exactly as mlx-lm's `generate_step` does. A request joins the decode
+request per call, exactly as mlx-lm's `generate_step` does; prompts that begin in the same
+step share a call, right-padded, as mlx-lm's `BatchGenerator` prefills them. A request joins the decode
 batch with no model call of its own (its last prompt token is its input in the next
 step), as in the paged runner. A decode step is one model call over the merged batch
 caches (`DenseStore.batch`), or, where a cache kind cannot merge, one call per row whose
@@ -34,8 +35,10 @@ class DenseRunner:
     slice_choice = None
     slice_decode = False
 
-    def __init__(self, model: Any, store: DenseStore, prefix: DensePrefixCache | None = None) -> None:
+    def __init__(self, model: Any, store: DenseStore, prefix: DensePrefixCache | None = None, *,
+                 prefill_batch: int = 8) -> None:
         self.model = model
+        self.prefill_batch = prefill_batch  # most prompts in one call (1: one per call)
         self.store = store
         self.prefix = prefix  # where checkpoints taken during prefill go
         self.seqs: list[Sequence] = []  # the batch; rows [0, len(pending)) have a token in flight
@@ -56,12 +59,24 @@ class DenseRunner:
 
     # ---- prefill ---------------------------------------------------------------------
     def prefill(self, chunks: Seq[tuple[Sequence, int]]) -> int:
-        """Run each request's next `tokens` prompt tokens into its own caches, one request
-        per model call (a request scoring its prompt reads the call's logits, as in the
-        paged runner). A chunk that crosses a checkpoint boundary of the prefix cache
+        """Run each request's next `tokens` prompt tokens into its own caches (a request
+        scoring its prompt reads the call's logits, as in the paged runner). Prompts that
+        begin here run together in one call (`_prefill_together`); the others one request
+        per call. A chunk that crosses a checkpoint boundary of the prefix cache
         (`engine.dense.prefix`) runs as two calls, and the caches are snapshotted between
         them. Returns the number of model calls made."""
         calls = 0
+        together = [(s, n) for s, n in chunks if self._starts_here(s, n)] if self.prefill_batch > 1 else []
+        if len(together) > 1:
+            for i in range(0, len(together), self.prefill_batch):
+                part = together[i : i + self.prefill_batch]
+                if len(part) > 1:
+                    self._prefill_together(part)
+                    calls += 1
+                else:
+                    together.pop()  # a lone last one runs as any other chunk
+            ran = {id(s) for s, _ in together}
+            chunks = [(s, n) for s, n in chunks if id(s) not in ran]
         for seq, tokens in chunks:
             start = self.store.get(seq.request_id).length
             end = start + tokens
@@ -77,6 +92,45 @@ class DenseRunner:
                     if hold is not None:
                         self.prefix.insert(seq.request.prompt_tokens[:stop], hold)
         return calls
+
+    def _starts_here(self, seq: Sequence, tokens: int) -> bool:
+        """A chunk that may share a call: its prompt's first, into fresh caches that merge,
+        read by no scorer, crossing no checkpoint boundary."""
+        alloc = self.store.get(seq.request_id)
+        return (self.store.batches_prefill and alloc.length == 0 and not seq.scores_prompt
+                and (self.prefix is None or self.prefix.checkpoint_at(0, tokens) is None))
+
+    def _prefill_together(self, rows: Seq[tuple[Sequence, int]]) -> None:
+        """First chunks of several prompts in one call, as mlx-lm's `BatchGenerator` runs
+        them: the requests' fresh caches merged, rows right-padded to the longest (the
+        caches told by `prepare`, and the padding moved to the left by `finalize`), then
+        each row extracted back into caches of its own."""
+        allocs = [self.store.get(seq.request_id) for seq, _ in rows]
+        layers = zip(*(a.caches for a in allocs), strict=True)
+        merged = [type(layer[0]).merge(list(layer)) for layer in layers]
+        lengths = [n for _, n in rows]
+        width = max(lengths)
+        padding = [width - n for n in lengths]
+        inputs = mx.array([list(seq.request.prompt_tokens[:n]) + [0] * (width - n) for seq, n in rows])
+        if any(padding):
+            for c in merged:
+                c.prepare(lengths=lengths, right_padding=padding)
+        self.model(inputs, cache=merged)
+        started = time.perf_counter()
+        self.settle()  # as in `_prefill_piece`: the queued decode step's time is not the prefill's
+        if any(padding):
+            for c in merged:
+                c.finalize()
+        for i, alloc in enumerate(allocs):
+            alloc.caches = [c.extract(i) for c in merged]
+        mx.eval([c.state for alloc in allocs for c in alloc.caches])
+        self.prefill_wait_s += time.perf_counter() - started
+        for seq, n in rows:
+            self.store.advance(seq.request_id, n)
+            if self.prefix is not None and self.prefix.keeps_checkpoint(n, seq.prompt_len):
+                hold = self.store.hold_prefix(seq.request_id, n)
+                if hold is not None:
+                    self.prefix.insert(seq.request.prompt_tokens[:n], hold)
 
     def _prefill_piece(self, seq: Sequence, start: int, tokens: int) -> None:
         caches = self.store.get(seq.request_id).caches

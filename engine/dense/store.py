@@ -56,6 +56,17 @@ UNPADDABLE = {
 }
 
 
+# Model types whose forward gives other tokens when their first chunk runs right-padded
+# beside other prompts (found by tests/engine/test_arch_matrix.py): their prompts prefill
+# one request per call.
+UNPADDED_PREFILL = {
+    "mlx_lm.models.bailing_moe_linear",
+    "mlx_lm.models.jamba",
+    "mlx_lm.models.nemotron-nas",
+    "mlx_lm.models.olmo_hybrid",
+}
+
+
 class DenseStore:
     block_size = KV_STEP  # the step mlx-lm's caches grow by
     geometry = None  # no paged layout
@@ -71,6 +82,8 @@ class DenseStore:
         self.batch: list[Any] | None = None  # merged caches of those rows (when `merges`)
         self.merges = (layout.mergeable and layout.batched
                        and type(model).__module__ not in UNPADDABLE)
+        # prompts beginning together may share a prefill call (`DenseRunner.prefill`)
+        self.batches_prefill = self.merges and type(model).__module__ not in UNPADDED_PREFILL
         # a token of left padding in a merged batch: every full entry's keys and values
         self._padded_bytes_per_token = sum(c.bytes_per_token for c in layout.layers if c.held_as == FULL)
 

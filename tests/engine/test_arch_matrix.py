@@ -101,7 +101,11 @@ def test_greedy_output_equals_mlx_lm(model_type: str, make_engine: Callable[...,
         return [h.out.tokens[r.request_id] for r in batch]
 
     assert run(requests[:1]) == expected[:1], "alone"
+    counters = h.core._counters
+    calls, chunks = counters["prefill_calls"], counters["prefill_chunks"]
     assert run(requests[1:]) == expected[1:], "four at once"
+    if getattr(h.core.store, "batches_prefill", True):  # the paged store, and the dense path's batches
+        assert counters["prefill_calls"] - calls < counters["prefill_chunks"] - chunks, "prompts shared calls"
     assert h.core.batch.max_batch_seen >= 3
     assert run([dataclasses.replace(requests[0], request_id="again")]) == expected[:1], "again"
     assert h.out.cached["again"] > 0, "the repeat is a prefix-cache hit"
