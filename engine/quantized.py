@@ -14,6 +14,19 @@ products) and reads the weight once. On Metal and the CPU it costs two reshapes 
 the weight bytes stay what they were. Every quantization mode goes through unchanged
 (affine, mxfp4, nvfp4 with its global scale).
 
+Many rows (a prefill chunk) are the opposite case. MLX's CUDA quantized product is slow
+there: bare mlx-lm prefilled a Llama-3-8B shape at 9,079 tok/s in 4-bit against 43,716 in
+bf16 on the H200 (bench/results/2026-12-04-h200-quantized), and the served 4-bit model's
+throughput at C=64 (1,112 tok/s) is what its 64 prompts' prefill at that rate plus the
+flattened decode step leave. So from `dequantize_rows` rows up (CUDA only,
+`default_dequantize_rows`), a dense projection dequantizes its weight to the activations'
+dtype and multiplies that, as vLLM's AWQ layers do from 256 tokens: the extra reads and
+writes of one bf16 copy of the weight are small beside a chunk's compute, and the copy is
+a transient of one projection at a time, which the prefill estimate counts
+(`largest_dequantized_bytes`, `ModelGeometry.prefill_weight_bytes`). Not the output head:
+it meets many rows only when a prompt is scored, and would be by far the largest copy. The
+crossover on a given card is what `bench/qmm_repro.py` prints under "Prefill rows".
+
 The experts' `mx.gather_qmm` takes x shaped (..., M, K) and one expert index per batch
 element: SwitchGLU hands it x as (B, L, 1, 1, K) with indices (B, L, k) in a decode step
 (fewer than 64 routed rows), or (N, 1, K) with indices (N,) sorted by expert (64 or more).
@@ -118,7 +131,7 @@ class FlatQuantizedSwitchLinear(QuantizedSwitchLinear):
         return out
 
 
-CUDA_DEQUANTIZE_ROWS = 512
+CUDA_DEQUANTIZE_ROWS = 256  # vLLM's AWQ layers switch at the same count
 
 
 def default_dequantize_rows(backend: str) -> int:
@@ -126,8 +139,7 @@ def default_dequantize_rows(backend: str) -> int:
     return CUDA_DEQUANTIZE_ROWS if backend == "cuda" else 0
 
 
-# The output head meets many rows only when a prompt is scored (a prefill call's logits are
-# never evaluated otherwise), and dequantized it would be the largest transient by far.
+# a prefill call's logits are never evaluated unless its prompt is scored
 OUTPUT_HEADS = frozenset({"lm_head", "output"})
 
 _FLAT: dict[type, type] = {
