@@ -23,7 +23,7 @@ from engine.dense import DensePrefixCache, DenseRunner, DenseStore
 from engine.device_errors import is_out_of_memory
 from engine.errors import EngineStepError, InsufficientMemoryError, MemoryProbeUnavailableError
 from engine.kv import KVGeometry, KVStore, install_attention_hook
-from engine.kv.buckets import QUERY_QUANTUM, default_key_bucket
+from engine.kv.buckets import QUERY_FLOOR, QUERY_QUANTUM, default_key_bucket
 from engine.kv.store import default_segment_tokens
 from engine.loader import LoadedModel, device_memory_bytes, on_cuda_by_default
 from engine.prefix import ChainKey, PrefixCache, PrefixCacheStats
@@ -274,7 +274,8 @@ class EngineCore:
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # in admission order; each step runs them in prefill_order
         self.step_budget = StepBudget(
-            config.max_decode_stall_s, floor_tokens=config.min_chunk_tokens,
+            config.max_decode_stall_s,
+            floor_tokens=max(config.min_chunk_tokens, QUERY_FLOOR if self.store.key_bucket else 0),
             quantum_tokens=QUERY_QUANTUM if self.store.key_bucket else 0,
         )
         disk = self.prefix_cache.disk

@@ -26,6 +26,13 @@ from __future__ import annotations
 CUDA_KEY_BUCKET = 4096
 SMALLEST = 256
 QUERY_QUANTUM = 256  # a chunk the step budget cuts is a multiple of this (engine.step_budget)
+# A chunk the step budget cuts is never smaller than this where keys are padded (CUDA): one
+# layer's attention over a long context takes about as long for 128 queries as for 512
+# (H100, 32 heads over 8 KV heads of 128, bf16; at 98,304 keys 1.42 ms causal and 2.61 ms
+# padded for 128, 1.49 and 2.76 ms for 512, 2.74 and 5.11 ms for 1,024;
+# `python -m bench.chunk_cost`): below it, the card is not filled, and a cut chunk saves
+# the decoding streams almost nothing while the prompt gets a quarter of the tokens.
+QUERY_FLOOR = 512
 
 
 def default_key_bucket(backend: str) -> int:

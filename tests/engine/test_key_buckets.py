@@ -17,7 +17,7 @@ import pytest
 
 from engine import EngineRequest, SamplingParams
 from engine.kv import KVGeometry, KVStore, install_attention_hook, prefill_caches
-from engine.kv.buckets import QUERY_QUANTUM, default_key_bucket, padded_keys
+from engine.kv.buckets import QUERY_FLOOR, QUERY_QUANTUM, default_key_bucket, padded_keys
 from engine.kv.prefill import PrefillRow, batch_prefill_caches, plan_prefill
 from engine.step_budget import StepBudget
 
@@ -185,3 +185,17 @@ def test_a_cut_chunk_is_a_multiple_of_the_quantum_where_keys_are_padded() -> Non
     plain.observe_step(0.02, 0.0)
     plain.begin(decoding=True)
     assert plain.allow(0, 4096) == 800
+
+
+def test_a_cut_chunk_is_never_below_the_query_floor_where_keys_are_padded(make_engine) -> None:
+    """Where keys are padded (CUDA), attention over a long context costs a 128-query chunk
+    about what it costs a 512-query one: the budget cuts no chunk below QUERY_FLOOR."""
+    padded = make_engine(prefix_cache_bytes=0, prefill_key_bucket=4096, max_decode_stall_s=0.1)
+    plain = make_engine(prefix_cache_bytes=0, max_decode_stall_s=0.1)
+    assert padded.core.step_budget.floor_tokens == QUERY_FLOOR
+    assert plain.core.step_budget.floor_tokens == plain.core.config.min_chunk_tokens < QUERY_FLOOR
+    budget = padded.core.step_budget
+    budget.observe_prefill([(60_000, 32)], 0.09)  # 32 tokens deep in a long prompt took 90 ms
+    budget.observe_step(0.1, 0.09)  # beside a decode step of 10 ms
+    budget.begin(decoding=True)
+    assert budget.allow(60_032, 4096) == QUERY_FLOOR
