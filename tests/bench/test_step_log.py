@@ -1,0 +1,24 @@
+"""bench/step_log.py reads the engine's debug step lines, plain or JSON-formatted."""
+
+from __future__ import annotations
+
+import json
+
+from bench.step_log import steps, summary
+
+
+def test_step_lines_are_grouped_by_context() -> None:
+    line = ("step: 8 rows decoding, {t} prompt tokens in 1 chunks (context up to {c}), "
+            "prefill {p} ms, step {s} ms")
+    lines = [
+        json.dumps({"level": "debug", "message": line.format(t=512, c=1000, p=40.0, s=50.0)}),
+        line.format(t=256, c=5000, p=30.0, s=40.0),
+        "an unrelated line",
+        json.dumps({"message": line.format(t=512, c=12000, p=80.0, s=90.0)}),
+    ]
+    found = steps(lines)
+    assert [s["context"] for s in found] == [1000, 5000, 12000]
+    rows = summary(found, 10_000)
+    assert [(r["context_from"], r["steps"]) for r in rows] == [(0, 2), (10_000, 1)]
+    assert rows[0]["prompt_tok_s"] == round(768 / 0.09)
+    assert rows[1]["step_ms_max"] == 90.0
