@@ -150,15 +150,18 @@ class StepBudget:
 
     def allow(self, context: int, budget: int) -> int:
         """Tokens the next chunk, starting at `context`, may run within the step's token
-        `budget`. The step's first chunk gets at least `floor_tokens`: prompts always move."""
+        `budget`. The step's first chunk gets at least `floor_tokens` (prompts always move);
+        a later one that would get less gets nothing in this step."""
         line = self.cost.line
         if self._left is None or line is None:
             return budget
         tokens = line.tokens_within(self._left, context)
         if self.quantum_tokens and self.quantum_tokens < tokens < budget:
             tokens -= tokens % self.quantum_tokens
-        if not self._planned:
-            tokens = max(tokens, self.floor_tokens)
+        if tokens < self.floor_tokens:
+            # below the floor a chunk costs about what one at the floor costs: the step's
+            # first chunk is raised to it (prompts always move), a later one waits
+            tokens = 0 if self._planned else self.floor_tokens
         if tokens < budget and not self._planned:
             self.bounded_steps += 1
         return min(tokens, budget)

@@ -199,3 +199,15 @@ def test_a_cut_chunk_is_never_below_the_query_floor_where_keys_are_padded(make_e
     budget.observe_step(0.1, 0.09)  # beside a decode step of 10 ms
     budget.begin(decoding=True)
     assert budget.allow(60_032, 4096) == QUERY_FLOOR
+
+
+def test_no_later_chunk_of_a_step_runs_below_the_floor() -> None:
+    """What a step's time leaves after its first chunk, if less than the floor, waits for the
+    next step: a second call of 32 tokens would cost about what one of 512 costs."""
+    budget = StepBudget(0.1, floor_tokens=QUERY_FLOOR, quantum_tokens=QUERY_QUANTUM)
+    budget.observe_prefill([(0, 1000)], 0.1)  # 100 µs a token
+    budget.observe_step(0.02, 0.0)  # 80 ms left: 800 tokens, cut to 768
+    budget.begin(decoding=True)
+    assert budget.allow(0, 4096) == 768
+    budget.spend(0, 768)  # 3.2 ms left: 32 tokens
+    assert budget.allow(768, 4096 - 768) == 0
