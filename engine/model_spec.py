@@ -22,6 +22,7 @@ from typing import Any
 
 from engine.context import ContextLengthSettingError, context_limits
 from memory import ModelGeometry, geometry_from_config
+from memory.estimate import dense_projection_bytes
 from memory.fit import ModelSpec
 from memory.weights import (
     TensorInfo,
@@ -150,7 +151,20 @@ def _spec(name: str, config: Mapping[str, Any], tensors: list[TensorInfo], train
             raise ModelSpecError(f"{name}: {exc}; and its caches could not be probed "
                                  f"({probe_error})") from exc
     inventory: WeightInventory = inventory_from_tensors(tensors, quantization_from_config(config))
-    return ModelSpec(name, geometry, inventory, context, source)
+    return ModelSpec(name, _with_dequantized_prefill(geometry, inventory), inventory, context, source)
+
+
+def _with_dequantized_prefill(geometry: ModelGeometry, inventory: WeightInventory) -> ModelGeometry:
+    """Where this backend dequantizes quantized projections for a prefill chunk
+    (`engine.quantized`), the largest such weight beside the chunk's activations."""
+    from dataclasses import replace
+
+    from engine.loader import backend_name
+    from engine.quantized import default_dequantize_rows
+
+    if inventory.quantization is None or not default_dequantize_rows(backend_name()):
+        return geometry
+    return replace(geometry, prefill_weight_bytes=dense_projection_bytes(geometry))
 
 
 def _probed_geometry(config: Mapping[str, Any], dtype_bytes: int | None) -> ModelGeometry:

@@ -180,3 +180,17 @@ def test_dequantized_prefill_changes_no_token(make_engine, quantized_path, monke
         h.submit(EngineRequest(f"q{i}", _prompt(i, n), m, SamplingParams(temperature=0.0)))
     h.run_until(lambda: len(h.out.finished) == len(PROMPTS))
     assert h.out.tokens == expected
+
+
+def test_the_spec_sizes_a_dequantized_weight_before_loading(quantized_path, monkeypatch):
+    """Load admission reads the model's spec before loading it: where the backend
+    dequantizes for prefill, the spec counts a weight at least as large as the loaded
+    model's largest dequantizing projection; where it does not (the CPU), none."""
+    import engine.quantized
+    from engine.model_spec import read_model_spec
+
+    assert read_model_spec(str(quantized_path)).geometry.prefill_weight_bytes == 0
+    monkeypatch.setattr(engine.quantized, "default_dequantize_rows", lambda backend: 256)
+    spec = read_model_spec(str(quantized_path))
+    loaded = load_model(str(quantized_path), model_id="tiny-4bit")
+    assert spec.geometry.prefill_weight_bytes >= loaded.geometry.prefill_weight_bytes > 0
