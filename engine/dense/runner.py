@@ -191,8 +191,9 @@ class DenseRunner:
 
     def _forward(self, inputs: mx.array) -> mx.array:
         store = self.store
-        if store.batch is not None:
-            return self.model(inputs[:, None], cache=store.batch)[:, -1, :]
+        batch = store.merged_batch()
+        if batch is not None:
+            return self.model(inputs[:, None], cache=batch)[:, -1, :]
         rows = []
         for i, request_id in enumerate(store.rows):  # caches that cannot merge: row by row
             caches = store.get(request_id).caches

@@ -80,6 +80,7 @@ class DenseStore:
         self.requests: dict[str, DenseAllocation] = {}
         self.rows: list[str] = []  # the decode batch's rows, in order
         self.batch: list[Any] | None = None  # merged caches of those rows (when `merges`)
+        self._joining: list[DenseAllocation] = []  # rows joined, not yet merged into `batch`
         self.merges = (layout.mergeable and layout.batched
                        and type(model).__module__ not in UNPADDABLE)
         # prompts beginning together may share a prefill call (`DenseRunner.prefill`)
@@ -142,22 +143,35 @@ class DenseStore:
 
     # ---- the decode batch ------------------------------------------------------------
     def join(self, request_id: str) -> None:
-        """The request's caches become the batch's last row (merged where they can be)."""
+        """The request's caches become the batch's last row (merged where they can be, at
+        the batch's next use: `merged_batch`)."""
         alloc = self.requests[request_id]
         alloc.in_batch = True
         self.rows.append(request_id)
-        if not self.merges:
-            return
-        assert alloc.caches is not None
-        row = [type(c).merge([c]) for c in alloc.caches]
-        alloc.caches = None
-        if self.batch is None:
-            self.batch = row
-        else:
-            for batch_cache, row_cache in zip(self.batch, row, strict=True):
-                batch_cache.extend(row_cache)
+        if self.merges:
+            assert alloc.caches is not None
+            self._joining.append(alloc)
+
+    def merged_batch(self) -> list[Any] | None:
+        """The batch's caches, every row that joined since the last use merged in. Rows that
+        joined together (prompts that finished prefill in the same step) are merged with one
+        `merge` per layer and appended with one `extend`: each `extend` copies the whole
+        batch's KV, so joining them one by one copied it once per row."""
+        if self._joining:
+            layers = zip(*(a.caches for a in self._joining), strict=True)
+            rows = [type(layer[0]).merge(list(layer)) for layer in layers]
+            for alloc in self._joining:
+                alloc.caches = None
+            self._joining = []
+            if self.batch is None:
+                self.batch = rows
+            else:
+                for batch_cache, row_cache in zip(self.batch, rows, strict=True):
+                    batch_cache.extend(row_cache)
+        return self.batch
 
     def leave(self, request_ids: list[str]) -> None:
+        self.merged_batch()
         gone = set(request_ids)
         keep = [i for i, r in enumerate(self.rows) if r not in gone]
         if len(keep) == len(self.rows):

@@ -203,3 +203,36 @@ def test_the_probe_finds_rows_that_cannot_batch_and_caches_of_unusual_kinds() ->
     nas = probe_cache_layout(tiny_archs.build("nemotron-nas"), weights_loaded=True)
     assert [c.bytes_per_token == 0 for c in nas.layers] == [False, True, False]
     assert not nas.plain_kv
+
+
+def test_rows_that_join_together_are_merged_into_the_batch_at_once(
+    make_engine: Callable[..., Harness], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each `extend` of mlx-lm's batch caches copies the whole batch's KV: prompts that
+    finish prefill in the same step join with one merge and one extend per layer, not one
+    extend per row. Output stays mlx-lm's."""
+    from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
+
+    loaded = tiny_archs.loaded("gemma3_text")
+    extends: list[int] = []
+    for cls in (BatchKVCache, BatchRotatingKVCache):
+        original = cls.extend
+
+        def counted(self, other, original=original):
+            extends.append(other.keys.shape[0] if other.keys is not None else 0)
+            return original(self, other)
+
+        monkeypatch.setattr(cls, "extend", counted)
+    layers = len(loaded.model.layers)
+    prompts = [[(7 * i + j) % tiny_archs.VOCAB for j in range(6)] for i in range(5)]
+    expected = [_reference(loaded.model, p, 6) for p in prompts]
+    h = make_engine(loaded=loaded, prefill_step_size=STEP, prefix_cache_bytes=0)
+    for i, p in enumerate(prompts[:4]):  # four 6-token prompts fit one step (32 tokens): they join together
+        h.submit(EngineRequest(f"r{i}", tuple(p), 6, SamplingParams(temperature=0.0)))
+    h.run_until(lambda: len(h.core.batch) == 4)
+    h.step()  # the first decode step merges them: a batch is made, nothing extended
+    assert extends == []
+    h.submit(EngineRequest("r4", tuple(prompts[4]), 6, SamplingParams(temperature=0.0)))
+    h.run_until(lambda: all(f"r{i}" in h.out.finished for i in range(5)))
+    assert extends == [1] * layers  # the late row: one extend per layer
+    assert [h.out.tokens[f"r{i}"] for i in range(5)] == expected
