@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from bench import scenarios, summary
+from bench import scenarios, step_log, summary
 from bench.machine import git_commit, result_dir
 from bench.scenarios import SCENARIOS, Sizes
 from bench.servers import ROOT, Server, stop_all
@@ -398,6 +398,11 @@ async def main_async(args: argparse.Namespace, argv: list[str]) -> Path:
     if "ours" in servers:
         await _run_ours(run, selected, sizes, model, dtype, ours_env, log_dir, mode, args, ceiling,
                         quantized_dir)
+        steps = step_log.from_logs(sorted(log_dir.glob("ours-*.log")))
+        if steps:  # our server ran at --log-level debug: its prefill steps by context
+            run.data["engine_steps"] = steps
+            for row in steps:
+                print(f"[bench] ours steps: {json.dumps(row)}", file=sys.stderr, flush=True)
     if "mlx_lm" in servers:
         await _run_mlx_lm(run, selected, sizes, model, dtype, env, log_dir, mode, args, model_dir,
                           quantized_dir)

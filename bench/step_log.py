@@ -4,7 +4,8 @@ With `--log-level debug` the engine logs each step that prefilled: the rows deco
 prompt tokens and chunks, the furthest context a chunk started at, and the prefill's and
 the whole step's milliseconds. This groups those steps by context (`--bucket` tokens) and
 prints per group: steps, median prompt tokens, median prefill ms, median and largest step
-ms, and prompt tokens per second of step time. `python -m bench.step_log server.log`.
+ms, and prompt tokens per second of step time. `python -m bench.step_log server.log`; the
+bench itself keeps this summary of our server's log in run.json (`engine_steps`).
 """
 
 from __future__ import annotations
@@ -52,13 +53,18 @@ def summary(found: list[dict[str, float]], bucket: int) -> list[dict[str, float]
     return out
 
 
+def from_logs(paths: list[Path], bucket: int = 10_000) -> list[dict[str, float]]:
+    """The summary of every step line in these logs (empty when none was logged at debug)."""
+    lines = [line for path in paths for line in path.read_text(errors="replace").splitlines()]
+    return summary(steps(lines), bucket)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("logs", nargs="+", type=Path)
     p.add_argument("--bucket", type=int, default=10_000)
     args = p.parse_args(argv)
-    lines = [line for path in args.logs for line in path.read_text().splitlines()]
-    for row in summary(steps(lines), args.bucket):
+    for row in from_logs(args.logs, args.bucket):
         print(json.dumps(row))
 
 

@@ -123,7 +123,7 @@ def test_the_bench_writes_a_valid_summary_from_a_tiny_cpu_run(tmp_path: Path) ->
     cmd = [sys.executable, "-m", "bench", "throughput", "prefill", "--mode", "cpu", "--servers", "ours",
            "--no-bound", "--bandwidth-bytes", "0", "--concurrency", "1", "--prompt-tokens", "32",
            "--max-tokens", "4", "--prefill-lengths", "48", "--prefill-repeats", "1",
-           "--out-dir", str(tmp_path)]
+           "--out-dir", str(tmp_path), "--ours-arg=--log-level", "--ours-arg=debug"]
     env = {**os.environ, "MLX_HEADROOM_CACHE": str(tmp_path / "cache")}
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
@@ -137,6 +137,8 @@ def test_the_bench_writes_a_valid_summary_from_a_tiny_cpu_run(tmp_path: Path) ->
     assert all(r["server"] == "ours" and r["model"] == "tiny" and r["dtype"] == "fp32" and r["failed"] == 0
                for r in rows.values())
     assert rows["throughput", 1, 32]["output_tok_s"] > 0 and rows["prefill", 1, 48]["prefill_tok_s"] > 0
+    steps = json.loads((folder / "run.json").read_text())["engine_steps"]  # the server logged at debug
+    assert steps and sum(r["steps"] for r in steps) >= 2
 
 
 def test_the_agent_scenarios_report_reuse_per_turn_and_from_disk_after_a_restart(tmp_path: Path) -> None:
