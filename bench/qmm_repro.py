@@ -11,13 +11,17 @@ calls `mx.gather_qmm` with mlx-lm's SwitchGLU shapes: x (B, 1, 1, 1, K) and indi
 indices sorted by expert, from 64 rows up. This script times both operations in each
 form on the default device and prints microseconds and the weight bytes each call needs
 divided by its time (GB/s; for the experts, the bytes of the distinct experts the indices
-select). It imports nothing but MLX: `python bench/qmm_repro.py`.
+select). A third table times prefill-sized products (M rows at once): the quantized
+product, the weight dequantized then multiplied, and the unquantized weight. Each row is
+also printed to stderr as it is measured (the first call of each shape may compile for
+long on CUDA). It imports nothing but MLX: `python bench/qmm_repro.py`.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -62,7 +66,7 @@ def dense_rows(args: argparse.Namespace) -> list[list[str]]:
         mx.eval(x, flat)
         us_3d = timed_us(partial(product, x), args.iters, args.warmup)
         us_2d = timed_us(partial(product, flat), args.iters, args.warmup)
-        rows.append([str(batch), f"{us_3d:,.0f}", f"{us_2d:,.0f}", f"{us_3d / us_2d:.1f}",
+        keep(rows, [str(batch), f"{us_3d:,.0f}", f"{us_2d:,.0f}", f"{us_3d / us_2d:.1f}",
                      gbps(weight_bytes, us_3d), gbps(weight_bytes, us_2d)])
     return rows
 
@@ -91,7 +95,7 @@ def prefill_rows(args: argparse.Namespace) -> list[list[str]]:
         mx.eval(x)
         us = [timed_us(partial(f, x), args.iters, args.warmup) for f in (quantized, dequantized, unquantized)]
         tflops = [2 * m * args.k * args.n / t / 1e6 for t in us]
-        rows.append([str(m), *(f"{t:,.0f}" for t in us), *(f"{t:,.0f}" for t in tflops)])
+        keep(rows, [str(m), *(f"{t:,.0f}" for t in us), *(f"{t:,.0f}" for t in tflops)])
     return rows
 
 
@@ -126,7 +130,7 @@ def expert_rows(args: argparse.Namespace) -> list[list[str]]:
             partial(gather, x_sorted, sorted_flat, sorted_indices=True),
         ]
         us = [timed_us(f, args.iters, args.warmup) for f in forms]
-        rows.append([str(batch), *(f"{t:,.0f}" for t in us),
+        keep(rows, [str(batch), *(f"{t:,.0f}" for t in us),
                      *(gbps(experts_read, t) for t in us)])
     return rows
 
@@ -134,6 +138,13 @@ def expert_rows(args: argparse.Namespace) -> list[list[str]]:
 def gbps(nbytes: float, us: float) -> str:
     rate = nbytes / us / 1e3
     return f"{rate:,.1f}" if rate >= 10 else f"{rate:.3f}"
+
+
+def keep(rows: list[list[str]], row: list[str]) -> None:
+    """Add a table row, and print it to stderr at once: on a backend that compiles each new
+    shape on first use, a run cut short by a timeout still shows what it measured."""
+    rows.append(row)
+    print("  ".join(row), file=sys.stderr, flush=True)
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
