@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.dense.prefix import DensePrefixCache
-from engine.dense.store import DenseStore
+from engine.dense.store import DenseStore, merge_caches
 from engine.prompt_scoring import score_chunk
 from engine.runner import StepToken, _read_logprobs
 from engine.sampling import BatchSampler, SampledStep
@@ -65,19 +65,14 @@ class DenseRunner:
         per call. A chunk that crosses a checkpoint boundary of the prefix cache
         (`engine.dense.prefix`) runs as two calls, and the caches are snapshotted between
         them. Returns the number of model calls made."""
-        calls = 0
         together = [(s, n) for s, n in chunks if self._starts_here(s, n)] if self.prefill_batch > 1 else []
-        if len(together) > 1:
-            for i in range(0, len(together), self.prefill_batch):
-                part = together[i : i + self.prefill_batch]
-                if len(part) > 1:
-                    self._prefill_together(part)
-                    calls += 1
-                else:
-                    together.pop()  # a lone last one runs as any other chunk
-            ran = {id(s) for s, _ in together}
-            chunks = [(s, n) for s, n in chunks if id(s) not in ran]
-        for seq, tokens in chunks:
+        parts = [together[i : i + self.prefill_batch] for i in range(0, len(together), self.prefill_batch)]
+        shared = [part for part in parts if len(part) > 1]  # a lone one runs as any other chunk
+        for part in shared:
+            self._prefill_together(part)
+        ran = {id(s) for part in shared for s, _ in part}
+        calls = len(shared)
+        for seq, tokens in (c for c in chunks if id(c[0]) not in ran):
             start = self.store.get(seq.request_id).length
             end = start + tokens
             while start < end:  # a chunk ends on each checkpoint boundary it crosses
@@ -86,12 +81,16 @@ class DenseRunner:
                 self._prefill_piece(seq, start, stop - start)
                 calls += 1
                 start = stop
-                # (the prompt's end is snapshotted when the request joins the batch)
-                if self.prefix is not None and self.prefix.keeps_checkpoint(stop, seq.prompt_len):
-                    hold = self.store.hold_prefix(seq.request_id, stop)
-                    if hold is not None:
-                        self.prefix.insert(seq.request.prompt_tokens[:stop], hold)
+                self._keep_checkpoint(seq, stop)
         return calls
+
+    def _keep_checkpoint(self, seq: Sequence, tokens: int) -> None:
+        """Snapshot the request's caches into the prefix cache where `tokens` is one of its
+        checkpoints (the prompt's end is snapshotted when the request joins the batch)."""
+        if self.prefix is not None and self.prefix.keeps_checkpoint(tokens, seq.prompt_len):
+            hold = self.store.hold_prefix(seq.request_id, tokens)
+            if hold is not None:
+                self.prefix.insert(seq.request.prompt_tokens[:tokens], hold)
 
     def _starts_here(self, seq: Sequence, tokens: int) -> bool:
         """A chunk that may share a call: its prompt's first, into fresh caches that merge,
@@ -106,8 +105,7 @@ class DenseRunner:
         caches told by `prepare`, and the padding moved to the left by `finalize`), then
         each row extracted back into caches of its own."""
         allocs = [self.store.get(seq.request_id) for seq, _ in rows]
-        layers = zip(*(a.caches for a in allocs), strict=True)
-        merged = [type(layer[0]).merge(list(layer)) for layer in layers]
+        merged = merge_caches([a.caches for a in allocs])
         lengths = [n for _, n in rows]
         width = max(lengths)
         padding = [width - n for n in lengths]
@@ -127,10 +125,7 @@ class DenseRunner:
         self.prefill_wait_s += time.perf_counter() - started
         for seq, n in rows:
             self.store.advance(seq.request_id, n)
-            if self.prefix is not None and self.prefix.keeps_checkpoint(n, seq.prompt_len):
-                hold = self.store.hold_prefix(seq.request_id, n)
-                if hold is not None:
-                    self.prefix.insert(seq.request.prompt_tokens[:n], hold)
+            self._keep_checkpoint(seq, n)
 
     def _prefill_piece(self, seq: Sequence, start: int, tokens: int) -> None:
         caches = self.store.get(seq.request_id).caches

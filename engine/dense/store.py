@@ -158,8 +158,7 @@ class DenseStore:
         `merge` per layer and appended with one `extend`: each `extend` copies the whole
         batch's KV, so joining them one by one copied it once per row."""
         if self._joining:
-            layers = zip(*(a.caches for a in self._joining), strict=True)
-            rows = [type(layer[0]).merge(list(layer)) for layer in layers]
+            rows = merge_caches([a.caches for a in self._joining])
             for alloc in self._joining:
                 alloc.caches = None
             self._joining = []
@@ -249,6 +248,12 @@ class DenseStore:
                 yield from _leaves(a.caches)
         if self.batch is not None:
             yield from _leaves(self.batch)
+
+
+def merge_caches(rows: list[list[Any]]) -> list[Any]:
+    """Requests' caches (one list per request, one cache per layer) as one batch: each
+    layer's `merge` (mlx-lm's batch caches, rows left-padded to the longest)."""
+    return [type(layer[0]).merge(list(layer)) for layer in zip(*rows, strict=True)]
 
 
 def _leaves(caches: list[Any]) -> Iterator[Any]:
