@@ -666,7 +666,7 @@ class EngineCore:
         # rank's own clock would cut their chunks differently, so they keep the token budget.
         self.step_budget.begin(decoding=bool(len(self.batch)) and self.lockstep is None)
         self._prefill_s = 0.0
-        self._step_prompt_tokens = 0
+        self._step_prompt_tokens = self._step_context = 0
         ran: set[str] = set()  # prompts that ran a chunk this step
         while budget > 0:
             planned, predicted, stopped = self._gather_chunks(budget, ran=ran)
@@ -782,7 +782,7 @@ class EngineCore:
         seconds = time.perf_counter() - started - (self.batch.settle_s - settled)
         self._prefill_s += seconds
         self._step_prompt_tokens += tokens
-        self._step_context = max(s.processed for s, _ in chunks)
+        self._step_context = max(self._step_context, *(s.processed for s, _ in chunks))
         self.step_budget.observe_prefill([(s.processed, n) for s, n in chunks], seconds)
         self.admission.observe_chunk(tokens, max(mx.get_peak_memory() - active_before, 0), predicted)
         # No clear_cache here: the guard has memory handed back when admission needs room.
