@@ -337,17 +337,17 @@ class PrefillEstimate:
         )
 
 
-def dense_projection_bytes(geometry: ModelGeometry, *, fused: bool = True) -> int:
+def dense_projection_bytes(geometry: ModelGeometry) -> int:
     """The largest dense projection weight of one layer, in the activations' dtype: q/k/v
-    and gate/up each one matrix where the engine fuses them, else q and gate; o and down.
-    What a prefill call holds at most at once where quantized projections are dequantized
-    for many rows, sized from the geometry before the model is loaded (an upper bound:
-    a mixture of experts' routed weights stay quantized)."""
+    or gate/up, each one matrix as the engine fuses them (o is smaller than q/k/v, down
+    than gate/up). What a prefill call holds at most at once where quantized projections
+    are dequantized for many rows, sized from the geometry before the model is loaded (an
+    upper bound: unfused projections are smaller, and a mixture of experts' routed weights
+    stay quantized)."""
     g = geometry
-    q = g.num_heads * g.head_dim
-    attention = g.hidden_size * (q + 2 * g.num_kv_heads * g.head_dim if fused else q)
-    mlp = g.hidden_size * g.intermediate_size * (2 if fused else 1)
-    return max(attention, mlp, q * g.hidden_size) * g.dtype_bytes
+    qkv = g.hidden_size * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim
+    gate_up = 2 * g.hidden_size * g.intermediate_size
+    return max(qkv, gate_up) * g.dtype_bytes
 
 
 def fused_attention_available(geometry: ModelGeometry, backend: str) -> bool:
