@@ -14,21 +14,24 @@ already seen (a backend that plans attention per shape has planned it):
 - `model`: the whole model through mlx-lm's own `KVCache`, a chunk of `n` tokens after
   `context` tokens were prefilled (the cache trimmed back after each timing).
 
-It prints one line per measurement and writes them as JSON (`--out`). It needs MLX and
-mlx-lm only: `python -m bench.chunk_cost --layers 32`.
+It prints one line per measurement and writes them as JSON (`--out`). Padding and mask are
+the engine's own (`engine.kv.buckets`, `engine.kv.masks`), and nothing else of the project
+runs: `python -m bench.chunk_cost --layers 32`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
+
+from bench.qmm_repro import timed_us
+from engine.kv.buckets import CUDA_KEY_BUCKET, padded_keys
+from engine.kv.masks import additive_mask
 
 LLAMA_8B = {
     "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 14336,
@@ -40,19 +43,7 @@ LLAMA_8B = {
 
 def timed_ms(fn: Callable[[], object], iters: int) -> float:
     """Median of `iters` evaluated calls after two unmeasured ones (first use plans)."""
-    for _ in range(2):
-        mx.eval(fn())
-    samples = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        mx.eval(fn())
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
-
-
-def padded(length: int, bucket: int = 4096, smallest: int = 256) -> int:
-    small = max(smallest, 1 << (length - 1).bit_length())
-    return small if small < bucket else -(-length // bucket) * bucket
+    return timed_us(fn, iters, warmup=2) / 1e3
 
 
 def sdpa(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | str) -> mx.array:
@@ -65,8 +56,8 @@ def attention_rows(
     hq, hk, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     rows = []
     longest = max(contexts) + max(chunks)
-    keys = mx.random.normal((1, hk, padded(longest), d)).astype(dtype)
-    values = mx.random.normal((1, hk, padded(longest), d)).astype(dtype)
+    keys = mx.random.normal((1, hk, padded_keys(longest, CUDA_KEY_BUCKET), d)).astype(dtype)
+    values = mx.random.normal((1, hk, padded_keys(longest, CUDA_KEY_BUCKET), d)).astype(dtype)
     mx.eval(keys, values)
     for c in contexts:
         for n in chunks:
@@ -74,9 +65,8 @@ def attention_rows(
             total = c + n
             k, v = keys[:, :, :total], values[:, :, :total]
             exact = timed_ms(partial(sdpa, q, k, v, "causal"), iters)
-            width = padded(total)
-            pos = mx.arange(width)[None, :] <= (c + mx.arange(n))[:, None]
-            mask = mx.where(pos, mx.array(0.0, dtype), mx.array(-mx.inf, dtype))[None, None]
+            width = padded_keys(total, CUDA_KEY_BUCKET)
+            mask = additive_mask(mx.arange(width)[None, :] <= (c + mx.arange(n))[:, None], dtype)[None, None]
             kp, vp = keys[:, :, :width], values[:, :, :width]
             pad = timed_ms(partial(sdpa, q, kp, vp, mask), iters)
             flops = 4 * hq * d * n * (c + n / 2)  # QK and PV over the keys each query sees
