@@ -65,6 +65,9 @@ def test_a_restarted_engine_reads_the_prefix_back_from_disk(make_engine, tmp_pat
     written = files(tmp_path)
     assert len(written) == (PROMPT + 8) // 16  # the full blocks of prompt and answer
     again = make_engine(prefill_step_size=128, prefix_cache_dir=str(tmp_path))
+    # Reading or prefilling is decided on measured speeds (a test of its own, below); a
+    # known fast disk keeps this one from following the machine's load.
+    again.core.prefix_cache.disk.read_bytes_per_s = 1e15
     follow_up = (*prompt(1), *prompt(2, 40))
     tokens, cached = run(again, "b", follow_up)
     assert cached == PROMPT // 16 * 16  # the prompt's full blocks, from disk
@@ -75,6 +78,7 @@ def test_a_restarted_engine_reads_the_prefix_back_from_disk(make_engine, tmp_pat
 
 def test_blocks_evicted_from_memory_are_read_back(make_engine, tmp_path, cold):
     h = make_engine(prefill_step_size=128, prefix_cache_dir=str(tmp_path))
+    h.core.prefix_cache.disk.read_bytes_per_s = 1e15  # a known fast disk (see above)
     run(h, "a", prompt(1))
     assert not files(tmp_path)
     h.core.prefix_cache.evict(1 << 40)  # as admission would
