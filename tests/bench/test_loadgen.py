@@ -33,7 +33,7 @@ def test_loadgen_against_a_real_server(server) -> None:
     assert s["completion_tokens"] == 25
     assert s["output_tok_s"] > 0 and s["ttft_ms_p50"] > 0 and s["tpot_ms_p50"] > 0
     # three streams at once decode side by side for a while: a steady window, and its gaps
-    s = asyncio.run(run_load(server.url, Workload(3, 48, 40, model="mlx-headroom/tiny-chat",
+    s = asyncio.run(run_load(server.url, Workload(3, 48, 160, model="mlx-headroom/tiny-chat",
                                                   timeout_s=30))).summary()
     assert s["ok"] == 3 and s["steady_window_s"] > 0 and s["steady_tpot_ms_p50"] > 0, s
     # a 400 is counted as failed, by status
