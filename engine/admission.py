@@ -327,22 +327,23 @@ class Admission:
         own = sum(self.chunk_prediction(s, n) for s, n in chunks)
         width = max(max(n, 1) for _, n in chunks)
         end = max(s.processed + n for s, n in chunks)
-        keys = self._keys(end)
+        ragged = needs_array_mask([s.processed for s, _ in chunks], [n for _, n in chunks])
+        keys = padded_keys(end, self.store.key_bucket) if ragged else self._keys(width, end, len(chunks))
         estimate = estimate_prefill(
             self.geometry, chunk_tokens=width, context_tokens=max(keys - width, 0),
-            batch=len(chunks), backend=self.backend,
-            masked=keys > end or needs_array_mask([s.processed for s, _ in chunks], [n for _, n in chunks]),
+            batch=len(chunks), backend=self.backend, masked=keys > end or ragged,
         )
         return max(own, self.tracker.predict(width * len(chunks), estimate.total_bytes))
 
-    def _keys(self, end: int) -> int:
-        """The keys a prefill call ending at `end` attends: padded where the store pads them."""
-        return padded_keys(end, self.store.key_bucket)
+    def _keys(self, queries: int, end: int, rows: int = 1) -> int:
+        """The keys a causal prefill call ending at `end` attends: padded where the store
+        pads them (`engine.kv.buckets.KeyLengths`)."""
+        return self.store.key_lengths.keys(queries, end, rows)
 
     def chunk_prediction(self, seq: Sequence, tokens: int) -> int:
         """The chunk's transient alone (no join), as the tracker predicts it now."""
         tokens = max(tokens, 1)
-        keys = self._keys(seq.processed + tokens)
+        keys = self._keys(tokens, seq.processed + tokens)
         estimate = estimate_prefill(
             self.geometry,
             chunk_tokens=tokens,

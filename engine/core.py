@@ -23,7 +23,7 @@ from engine.dense import DensePrefixCache, DenseRunner, DenseStore
 from engine.device_errors import is_out_of_memory
 from engine.errors import EngineStepError, InsufficientMemoryError, MemoryProbeUnavailableError
 from engine.kv import KVGeometry, KVStore, install_attention_hook
-from engine.kv.buckets import QUERY_FLOOR, QUERY_QUANTUM, default_key_bucket
+from engine.kv.buckets import QUERY_FLOOR, QUERY_QUANTUM, default_key_bucket, default_plan_ms
 from engine.kv.store import default_segment_tokens
 from engine.loader import LoadedModel, device_memory_bytes, on_cuda_by_default
 from engine.prefix import ChainKey, PrefixCache, PrefixCacheStats
@@ -78,6 +78,9 @@ class EngineConfig:
     # Prefill keys padded to lengths from a small set (engine.kv.buckets). None: 4,096 on
     # CUDA, where attention is planned per shape; 0: never padded.
     prefill_key_bucket: int | None = None
+    # What a new attention shape's plan costs (ms): a padded call attends its exact keys
+    # where padding would cost more (engine.kv.buckets.KeyLengths). None: 35 on CUDA.
+    prefill_plan_ms: float | None = None
     decode_overlap: bool | None = None  # None: on for CUDA (measured safe), off elsewhere (engine.runner)
     max_step_tokens: int | None = None  # tokens per step, decode rows included (None: prefill_step_size)
     # While rows decode, a step's prefill is cut to what keeps the step within this many
@@ -218,8 +221,13 @@ class EngineCore:
             key_bucket = config.prefill_key_bucket
             if key_bucket is None:
                 key_bucket = default_key_bucket(loaded.backend)
+            plan_ms = config.prefill_plan_ms
+            if plan_ms is None:
+                plan_ms = default_plan_ms(loaded.backend)
+            g = loaded.geometry
             self.store = KVStore(kv, block_size=config.kv_block_size, segment_tokens=segment_tokens,
-                                 key_bucket=key_bucket)
+                                 key_bucket=key_bucket, plan_ms=plan_ms,
+                                 pair_flops=4 * g.num_heads * g.head_dim * g.num_layers)
         else:
             if config.kv_bits is not None:
                 raise ValueError(f"quantized KV needs the paged KV store, and {loaded.model_id}'s "

@@ -25,6 +25,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_decode_stall_s=settings.max_decode_stall_ms / 1000 or None,
         compile_decode=settings.compile_decode,
         prefill_key_bucket=settings.prefill_key_bucket,
+        prefill_plan_ms=settings.prefill_plan_ms,
         slice_decode=settings.slice_decode,
         warm_up=settings.warm_up,
         gil_switch_interval_s=settings.gil_switch_interval_ms / 1000,

@@ -106,6 +106,11 @@ class Settings(BaseSettings):
         "multiple of it, so that attention planned per shape (cuDNN) reuses its plans "
         "(engine.kv.buckets; None: 4096 on CUDA, 0 elsewhere; 0: never)",
     )
+    prefill_plan_ms: float | None = Field(
+        None, ge=0, description="what a new shape of prefill attention costs to plan (cuDNN), in ms: "
+        "a call whose padded keys would cost more than that attends its exact keys, causal "
+        "(engine.kv.buckets.KeyLengths; None: 35 on CUDA, where it was measured)",
+    )
     slice_decode: bool | None = Field(
         None, description="attend a lone decoding row on consecutive KV blocks as one slice of "
         "the pool, by MLX's fused SDPA, stepped eagerly (engine.kv.attention.run_decode; None: "

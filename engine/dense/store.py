@@ -30,6 +30,7 @@ from typing import Any
 
 from engine.cache_layout import FULL, KV_STEP, CacheLayout
 from engine.dense.prefix import Snapshot, restore, take_snapshot
+from engine.kv.buckets import KeyLengths
 from engine.kv.store import KVStoreStats, SharedPrefix
 
 
@@ -76,6 +77,7 @@ class DenseStore:
         self.model = model
         self.layout = layout
         self.chunk_tokens = chunk_tokens
+        self.key_lengths = KeyLengths()  # exact always: bucket 0
         self.block_bytes = self.block_size * layout.bytes_per_token
         self.requests: dict[str, DenseAllocation] = {}
         self.rows: list[str] = []  # the decode batch's rows, in order

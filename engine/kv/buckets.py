@@ -19,9 +19,21 @@ costs at most a bucket of masked keys per call. The queries' length is part of t
 too: a chunk that the step budget cuts (`engine.step_budget`) is cut to a multiple of
 `QUERY_QUANTUM`. Elsewhere (Metal, the CPU) nothing is padded: their kernels are not
 planned per length, and the padding would be work for nothing.
+
+Padding is not free either: keys under an additive mask leave cuDNN's causal path, and one
+layer's attention then takes 1.8–1.9× as long (H100, 32 heads over 8 KV heads of 128, bf16,
+`python -m bench.chunk_cost`: 4,096 queries over 98,304 keys 10.9 ms causal, 22.2 ms
+padded; 512 queries 1.5 and 2.8 ms). Over a whole 8B model a 4,096-token chunk at 98k of
+context pays about 360 ms for padding that saves one 35 ms plan. So `KeyLengths` pads a
+call only where the padding costs less than a plan: small chunks, short contexts. A call
+whose shape ran before attends its exact keys at no cost: a long prompt prefilled from 0
+in full chunks gives the same (chunk, context) shapes every time, so its plans recur.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 CUDA_KEY_BUCKET = 4096
 SMALLEST = 256
@@ -33,6 +45,22 @@ QUERY_QUANTUM = 256  # a chunk the step budget cuts is a multiple of this (engin
 # `python -m bench.chunk_cost`): below it, the card is not filled, and a cut chunk saves
 # the decoding streams almost nothing while the prompt gets a quarter of the tokens.
 QUERY_FLOOR = 512
+# What a new shape's plan costs, and how fast causal attention runs once planned (H100 and
+# H200, bf16, 512 queries or more; `bench.chunk_cost` measured 550–630 TFLOP/s), and the
+# share of the causal time that padding under an additive mask adds (0.85–0.95 measured).
+CUDA_PLAN_MS = 35.0
+ATTENTION_FLOP_S = 6.0e14
+PADDING_OVERHEAD = 0.9
+PLANNED_SHAPES = 192  # below MLX's own cache of 256 cuDNN graphs (MLX_CUDA_SDPA_CACHE_SIZE)
+# A call of fewer queries than this always pads: speculative verification sends a few
+# queries a row at a new context every step (a plan per step if exact), and below 128
+# queries what padding costs was not measured.
+EXACT_MIN_QUERIES = 128
+
+
+def default_plan_ms(backend: str) -> float:
+    """What a new attention shape's plan costs on a backend: 0 where nothing is planned."""
+    return CUDA_PLAN_MS if backend == "cuda" else 0.0
 
 
 def default_key_bucket(backend: str) -> int:
@@ -50,3 +78,42 @@ def padded_keys(length: int, bucket: int) -> int:
     if small < bucket:
         return small
     return -(-length // bucket) * bucket
+
+
+@dataclass
+class KeyLengths:
+    """The key length of each prefill call whose rows attend causally: padded to
+    `padded_keys` or exact, whichever costs less (see the module docstring).
+
+    `pair_flops` is attention's work per (query, key) pair over all layers (4 × query heads
+    × head dim × layers), 0 where unknown: then a call is always padded (where `bucket` pads
+    at all); `plan_ms` what a new shape's plan costs."""
+
+    bucket: int = 0
+    pair_flops: int = 0
+    plan_ms: float = 0.0
+    _planned: OrderedDict[tuple[int, int, int], None] = field(default_factory=OrderedDict, repr=False)
+
+    def keys(self, queries: int, end: int, rows: int = 1) -> int:
+        """The keys a call of `rows` × `queries` queries ending at position `end` attends."""
+        padded = padded_keys(end, self.bucket)
+        if padded == end or (rows, queries, end) in self._planned:
+            return end
+        if rows * queries < EXACT_MIN_QUERIES:
+            return padded
+        return end if self.padding_ms(queries, end, rows) > self.plan_ms else padded
+
+    def padding_ms(self, queries: int, end: int, rows: int = 1) -> float:
+        """What padding `end` keys adds to the call; below QUERY_FLOOR queries the card is
+        not filled and a call costs what QUERY_FLOOR queries cost."""
+        work = self.pair_flops * max(rows * queries, QUERY_FLOOR) * end
+        return PADDING_OVERHEAD * work / ATTENTION_FLOP_S * 1e3
+
+    def ran(self, queries: int, keys: int, rows: int = 1) -> None:
+        """Note a call over its exact keys: its shape is planned now."""
+        if keys != padded_keys(keys, self.bucket):
+            shape = (rows, queries, keys)
+            self._planned[shape] = None
+            self._planned.move_to_end(shape)
+            while len(self._planned) > PLANNED_SHAPES:
+                self._planned.popitem(last=False)

@@ -26,7 +26,6 @@ import mlx.core as mx
 import numpy as np
 
 from engine.kv.blocks import consecutive
-from engine.kv.buckets import padded_keys
 from engine.kv.device_vectors import device_vector
 from engine.kv.masks import additive_mask
 from engine.kv.quant import KVQuant
@@ -75,7 +74,9 @@ def prefill_caches(store: KVStore, alloc: Allocation, tokens: int) -> list[Prefi
     write = slots_of(alloc.table, store.block_size, end, start=start)
     heads = store.geometry.num_kv_heads
     slots = slots_of(alloc.table, store.block_size, end)
-    width = padded_keys(end, store.key_bucket)
+    width = store.key_lengths.keys(tokens, end)
+    if width == end:
+        store.key_lengths.ran(tokens, end)
     mask = None
     if width > end:  # filler slots (the row's first), masked out: SDPA sees a length it has planned
         slots = mx.concatenate([slots, mx.broadcast_to(slots[:1], (width - end,))])

@@ -69,7 +69,12 @@ def plan_prefill(store: KVStore, rows: Seq[PrefillRow]) -> PrefillPlan:
     starts = np.asarray([r.alloc.length for r in rows], dtype=np.int64)
     lengths = np.asarray([len(r.tokens) for r in rows], dtype=np.int64)
     ends = starts + lengths
-    width = padded_keys(int(ends.max()), store.key_bucket)  # past the furthest end: filler, masked
+    end = int(ends.max())
+    same_shape = not needs_array_mask(starts.tolist(), lengths.tolist())
+    # past the furthest end: filler, masked; rows of one shape may attend exact keys, causal
+    width = store.key_lengths.keys(t, end, b) if same_shape else padded_keys(end, store.key_bucket)
+    if same_shape and width == end:
+        store.key_lengths.ran(t, end, b)
     inputs = np.zeros((b, t), dtype=np.uint32)
     valid: list[np.ndarray] = []
     write: list[np.ndarray] = []
@@ -85,7 +90,7 @@ def plan_prefill(store: KVStore, rows: Seq[PrefillRow]) -> PrefillPlan:
         write.append(own[starts[i]:])
     read = slots[:, None, :] * heads + np.arange(heads)[None, :, None]
     mask: mx.array | str
-    if not needs_array_mask(starts.tolist(), lengths.tolist()) and width == int(ends.max()):
+    if same_shape and width == end:
         # Rows of one shape (prompts of one length, say): SDPA's own causal mask aligns
         # the queries to the end of the keys, which is exactly right, and costs no memory.
         mask = "causal"

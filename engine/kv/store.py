@@ -33,6 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.kv.blocks import BlockAllocator, consecutive
+from engine.kv.buckets import KeyLengths
 from engine.kv.quant import KVQuant
 
 DEFAULT_BLOCK_SIZE = 16
@@ -151,16 +152,23 @@ class KVStore:
         block_size: int = DEFAULT_BLOCK_SIZE,
         segment_tokens: int | None = None,
         key_bucket: int = 0,
+        pair_flops: int = 0,
+        plan_ms: float = 0.0,
     ) -> None:
         self.geometry = geometry
         self.block_size = block_size
-        self.key_bucket = key_bucket  # prefill keys padded to lengths from a small set (engine.kv.buckets)
+        # prefill keys padded to lengths from a small set, or exact (engine.kv.buckets)
+        self.key_lengths = KeyLengths(key_bucket, pair_flops, plan_ms)
         if segment_tokens is None:
             segment_tokens = default_segment_tokens("metal", geometry.bytes_per_token)
         self.segment_blocks = max(1, segment_tokens // block_size)
         self.block_bytes = block_size * geometry.bytes_per_token
         self.segments: dict[int, Segment] = {}
         self.requests: dict[str, Allocation] = {}
+
+    @property
+    def key_bucket(self) -> int:
+        return self.key_lengths.bucket
 
     # ---- sizes -----------------------------------------------------------------------
     def blocks_for(self, tokens: int) -> int:

@@ -17,7 +17,16 @@ import pytest
 
 from engine import EngineRequest, SamplingParams
 from engine.kv import KVGeometry, KVStore, install_attention_hook, prefill_caches
-from engine.kv.buckets import QUERY_FLOOR, QUERY_QUANTUM, default_key_bucket, padded_keys
+from engine.kv.buckets import (
+    CUDA_KEY_BUCKET,
+    CUDA_PLAN_MS,
+    PLANNED_SHAPES,
+    QUERY_FLOOR,
+    QUERY_QUANTUM,
+    KeyLengths,
+    default_key_bucket,
+    padded_keys,
+)
 from engine.kv.prefill import PrefillRow, batch_prefill_caches, plan_prefill
 from engine.step_budget import StepBudget
 
@@ -137,7 +146,8 @@ def _requests() -> list[EngineRequest]:
 def test_the_engine_with_padded_keys_gives_the_same_tokens(make_engine, batched: bool) -> None:
     outputs = []
     for bucket in (0, 64):
-        config = dict(prefill_step_size=64, prefix_cache_bytes=0, prefill_key_bucket=bucket)
+        config = dict(prefill_step_size=64, prefix_cache_bytes=0, prefill_key_bucket=bucket,
+                      prefill_plan_ms=1e9)
         got: dict[str, tuple[list[int], list[float]]] = {}
         if batched:
             h = make_engine(max_step_tokens=160, max_concurrency=16, prefill_batch=8, **config)
@@ -163,7 +173,7 @@ def test_the_engine_with_padded_keys_gives_the_same_tokens(make_engine, batched:
 def test_admission_predicts_the_padded_keys(make_engine) -> None:
     """A chunk that attends padded keys is predicted as one over those keys, with its mask."""
     plain = make_engine(prefix_cache_bytes=0)
-    padded = make_engine(prefix_cache_bytes=0, prefill_key_bucket=4096)
+    padded = make_engine(prefix_cache_bytes=0, prefill_key_bucket=4096, prefill_plan_ms=1e9)
     for h in (plain, padded):
         h.submit(EngineRequest("x", tuple(range(200)), 1, SamplingParams(temperature=0.0)))
     seq_plain = plain.core.waiting[0] if plain.core.waiting else plain.core.prefilling[0]
@@ -211,3 +221,79 @@ def test_no_later_chunk_of_a_step_runs_below_the_floor() -> None:
     assert budget.allow(0, 4096) == 768
     budget.spend(0, 768)  # 3.2 ms left: 32 tokens
     assert budget.allow(768, 4096 - 768) == 0
+
+
+def test_padding_is_chosen_only_where_it_costs_less_than_a_plan() -> None:
+    """Llama-3-8B's attention (32 heads of 128, 32 layers) on CUDA: a small chunk or a short
+    context pads its keys (a new plan would cost more than the mask); a 4,096-token chunk
+    deep in a long prompt attends its exact keys, causal; a shape that ran exactly before
+    is exact for free; and rows of one shape count as one call of all their queries."""
+    lengths = KeyLengths(CUDA_KEY_BUCKET, pair_flops=4 * 32 * 128 * 32, plan_ms=CUDA_PLAN_MS)
+    assert lengths.keys(512, 8192 + 300) == 12_288  # ~7 ms of padding: pad
+    assert lengths.keys(4096, 98_304 + 4096 + 300) == 98_304 + 4096 + 300  # ~330 ms of padding: exact
+    assert lengths.keys(512, 98_816) == 98_816  # 40 ms (measured 41): exact
+    assert lengths.keys(512, 60_000) == 61_440
+    assert lengths.keys(8, 98_816, rows=64) == 98_816  # 512 queries in all
+    assert lengths.keys(8, 98_816) == lengths.keys(127, 98_816) == 102_400  # a verify step: pads
+    lengths.ran(512, 60_000)
+    assert lengths.keys(512, 60_000) == 60_000 and lengths.keys(512, 60_001) == 61_440
+    assert lengths.keys(512, 61_440) == 61_440  # a multiple of the bucket is exact already
+    never = KeyLengths(CUDA_KEY_BUCKET, pair_flops=0, plan_ms=CUDA_PLAN_MS)
+    assert never.keys(4096, 98_700) == 102_400
+    off = KeyLengths(0, pair_flops=4 * 32 * 128 * 32, plan_ms=0.0)
+    assert off.keys(4096, 98_700) == 98_700
+
+
+def test_the_planned_shapes_are_bounded_and_kept_by_use() -> None:
+    lengths = KeyLengths(64, pair_flops=1, plan_ms=1e9)
+    for end in range(1, 2 * PLANNED_SHAPES + 2, 2):
+        lengths.ran(200, end)
+    assert lengths.keys(200, 1) == 64  # the oldest fell out
+    lengths.ran(200, 3)  # used again: the newest
+    lengths.ran(200, 1000)
+    assert lengths.keys(200, 3) == 3 and lengths.keys(200, 5) == 64
+
+
+def test_a_call_that_padding_would_cost_more_attends_its_exact_keys_causally(tiny_loaded) -> None:
+    """With padding priced above a plan, the padded store's calls read exactly their keys
+    under SDPA's causal mask, alone and as rows of one shape, and give the same logits."""
+    model = tiny_loaded.model
+    assert install_attention_hook(model)
+    prompt = [random.Random(3).randrange(0, 256) for _ in range(400)]
+    padded, exact = _store(tiny_loaded, 64), _store(tiny_loaded, 64)
+    exact.key_lengths.pair_flops, exact.key_lengths.plan_ms = 10**12, 1.0
+    a = _prefill(model, padded, "a", prompt, 150)  # 150 + 150 + 100 tokens
+    b = _prefill(model, exact, "b", prompt, 150)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_allclose(np.array(y), np.array(x), rtol=1e-4, atol=1e-4)
+    caches = prefill_caches(exact, exact.reserve("c", 150), 150)
+    assert caches[0]._read.shape[-1] == 150 and caches[0].make_mask(150) == "causal"
+    few = prefill_caches(exact, exact.reserve("d", 100), 100)  # below EXACT_MIN_QUERIES: padded
+    assert few[0]._read.shape[-1] == 128 and few[0].make_mask(100).shape == (1, 1, 100, 128)
+    rows = []
+    for i in range(2):
+        alloc = exact.reserve(f"r{i}", 90)
+        rows.append(PrefillRow(alloc, tuple(prompt[i:i + 90])))
+    plan = plan_prefill(exact, rows)
+    assert plan.mask == "causal" and plan.read.shape[-1] == 90
+    ragged = plan_prefill(exact, [rows[0], PrefillRow(exact.reserve("r2", 80), tuple(prompt[:80]))])
+    assert not isinstance(ragged.mask, str) and ragged.read.shape[-1] == 128  # its mask pads anyway
+
+
+def test_the_engine_prices_padding_by_the_model_and_admission_predicts_the_exact_keys(make_engine) -> None:
+    """The engine gives the store the model's attention work per (query, key) pair and the
+    configured plan cost; where padding costs more, admission predicts the unpadded,
+    unmasked call that will run, and the tokens are those of the padded engine."""
+    padded = make_engine(prefix_cache_bytes=0, prefill_key_bucket=4096, prefill_plan_ms=1e9)
+    exact = make_engine(prefix_cache_bytes=0, prefill_key_bucket=4096, prefill_plan_ms=0.0)
+    g = exact.core.loaded.geometry
+    assert exact.core.store.key_lengths.pair_flops == 4 * g.num_heads * g.head_dim * g.num_layers > 0
+    for h in (padded, exact):
+        h.submit(EngineRequest("x", tuple(range(200)), 8, SamplingParams(temperature=0.0, logprobs=True)))
+    first = [h.core.waiting[0] if h.core.waiting else h.core.prefilling[0] for h in (padded, exact)]
+    assert padded.core.admission.chunk_prediction(first[0], 200) > exact.core.admission.chunk_prediction(
+        first[1], 200)
+    for h in (padded, exact):
+        h.run_until(lambda h=h: "x" in h.out.finished)
+    assert exact.out.tokens["x"] == padded.out.tokens["x"]
+    assert exact.out.logprobs["x"] == pytest.approx(padded.out.logprobs["x"], abs=1e-4)
