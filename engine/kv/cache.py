@@ -5,9 +5,10 @@ cache.update_and_fetch(k, v)``, then ``scaled_dot_product_attention(q, keys, val
 cache=cache, ...)``. These objects keep that contract:
 
 - `PrefillCache` (one request, a chunk of T tokens): writes the chunk into the request's
-  blocks and returns that request's own K/V gathered contiguous in SDPA's [1, H, L, D]
-  layout, so the model's ordinary (fused where available) causal attention runs on it.
-  Only this request's memory moves, one layer at a time. With quantized KV the chunk is
+  blocks and returns that request's own K/V in SDPA's [1, H, L, D] layout, so the model's
+  ordinary (fused where available) causal attention runs on it: a strided view of the pool
+  where its blocks up to the chunk's end are one run of ids (a reservation takes a run
+  where its segment has one), else gathered contiguous, one layer at a time. With quantized KV the chunk is
   quantized as it is written, and what comes back is decoded to the model's dtype: the
   chunk attends to exactly the K/V that later decode steps will read.
 - `DecodeCache` (the batch, one token per row): writes each row's token into its own
@@ -33,15 +34,19 @@ from engine.kv.store import Allocation, KVStore, Segment, slots_of
 
 
 class PrefillCache:
-    def __init__(self, segment: Segment, layer: int, offset: int, write: mx.array, read: mx.array,
-                 quant: KVQuant | None = None, mask: mx.array | None = None) -> None:
+    def __init__(self, segment: Segment, layer: int, offset: int, write: mx.array, read: mx.array | None,
+                 quant: KVQuant | None = None, mask: mx.array | None = None,
+                 run_start: int | None = None) -> None:
         self.segment = segment
         self.layer = layer
         self.offset = offset
         self._write = write
-        self._read = read
+        self._read = read  # rows of the pool to gather; None where the K/V are one run
         self._quant = quant
         self._mask = mask  # keys padded past the chunk's end (engine.kv.buckets): masked out
+        # The request's slots up to the chunk's end are one run from this slot: its K/V are
+        # a strided view of the pool (`engine.kv.attention.run_decode` does the same).
+        self._run_start = run_start
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         k = keys[0].transpose(1, 0, 2)  # [T, H, D]
@@ -50,6 +55,11 @@ class PrefillCache:
         seg.keys[layer][self._write] = k if quant is None else quant.encode(k)
         seg.values[layer][self._write] = v if quant is None else quant.encode(v)
         self.offset += keys.shape[2]
+        if self._run_start is not None:
+            start, end = self._run_start, self._run_start + self.offset
+            k = seg.keys[layer][start:end].transpose(1, 0, 2)[None]  # [1, H, L, D], a view
+            v = seg.values[layer][start:end].transpose(1, 0, 2)[None]
+            return (k, v) if quant is None else (quant.decode(k), quant.decode(v))
         slots, heads, width = seg.keys[layer].shape
         k = seg.keys[layer].reshape(slots * heads, width)[self._read][None]
         v = seg.values[layer].reshape(slots * heads, width)[self._read][None]
@@ -77,6 +87,13 @@ def prefill_caches(store: KVStore, alloc: Allocation, tokens: int) -> list[Prefi
     width = store.key_lengths.keys(tokens, end)
     if width == end:
         store.key_lengths.ran(tokens, end)
+        blocks = alloc.table[: store.blocks_for(end)]
+        if consecutive(blocks):  # no gather: SDPA reads the request's K/V where they lie
+            return [
+                PrefillCache(alloc.segment, layer, start, write, None, store.geometry.quant,
+                             run_start=blocks[0] * store.block_size)
+                for layer in range(store.geometry.num_layers)
+            ]
     mask = None
     if width > end:  # filler slots (the row's first), masked out: SDPA sees a length it has planned
         slots = mx.concatenate([slots, mx.broadcast_to(slots[:1], (width - end,))])

@@ -267,7 +267,9 @@ def test_a_call_that_padding_would_cost_more_attends_its_exact_keys_causally(tin
     for x, y in zip(a, b, strict=True):
         np.testing.assert_allclose(np.array(y), np.array(x), rtol=1e-4, atol=1e-4)
     caches = prefill_caches(exact, exact.reserve("c", 150), 150)
-    assert caches[0]._read.shape[-1] == 150 and caches[0].make_mask(150) == "causal"
+    keys, _ = caches[0].update_and_fetch(*[mx.zeros((1, exact.geometry.num_kv_heads, 150,
+                                                     exact.geometry.head_dim))] * 2)
+    assert keys.shape[2] == 150 and caches[0].make_mask(150) == "causal"
     few = prefill_caches(exact, exact.reserve("d", 100), 100)  # below EXACT_MIN_QUERIES: padded
     assert few[0]._read.shape[-1] == 128 and few[0].make_mask(100).shape == (1, 1, 100, 128)
     rows = []
