@@ -49,7 +49,50 @@ class StepToken:
     logprob: TokenLogprob | None
 
 
-class Runner:
+class ReadsEarly:
+    """A runner's queued decode step, read when the engine asks rather than by the next
+    `step` (both runners: this one and `engine.dense.DenseRunner`)."""
+
+    pending: SampledStep | None
+    read: list[int] | None  # `pending`'s tokens, read and handed out early
+    seqs: list[Sequence]
+    sampler: BatchSampler
+    decode_wait_s: float
+
+    def read_pending(self) -> list[StepToken]:
+        """The queued decode step's tokens, now (the engine hands them out before a prefill
+        call that waits for that step anyway). Not where rows need feedback: their
+        processors take the tokens as the step reads them."""
+        current = self.pending
+        if current is None or self.read is not None or self.sampler.needs_feedback:
+            return []
+        self.read = self._read_tokens(current)
+        return step_tokens(current, self.seqs, self.read)
+
+    def _take(self, current: SampledStep) -> tuple[list[int], bool]:
+        """`current`'s tokens, and whether `read_pending` handed them out already."""
+        read, self.read = self.read, None
+        return (read, True) if read is not None else (self._read_tokens(current), False)
+
+    def _read_tokens(self, step: SampledStep) -> list[int]:
+        """The host sync of a decode step: its time is the device's, not the host's."""
+        started = time.perf_counter()
+        tokens: list[int] = step.tokens.tolist()
+        self.decode_wait_s += time.perf_counter() - started
+        return tokens
+
+
+def step_tokens(step: SampledStep, seqs: list[Sequence], tokens: list[int]) -> list[StepToken]:
+    """The first len(tokens) rows' tokens of a read step, with their logprobs."""
+    emitting = seqs[: len(tokens)]
+    logprobs = _read_logprobs(step, emitting)
+    return [
+        StepToken(seq, tok, logprobs[i] if logprobs else None)
+        for i, (seq, tok) in enumerate(zip(emitting, tokens, strict=True))
+    ]
+
+
+class Runner(ReadsEarly):
     def __init__(
         self, model: Any, store: KVStore, *, overlap: bool = False, prefill_batch: int = 8,
         compiled: CompiledDecode | None = None, slice_decode: bool | None = None,
@@ -62,6 +105,7 @@ class Runner:
         self.prefill_batch = max(prefill_batch, 1)  # most chunks in one prefill call
         self.seqs: list[Sequence] = []  # the batch; rows [0, len(pending)) have a token in flight
         self.pending: SampledStep | None = None
+        self.read: list[int] | None = None  # `pending`'s tokens, read and handed out early
         self.fresh: list[int] = []  # last prompt token of each row that joined since the last step
         self.sampler = BatchSampler([])
         # block tables, kept while the batch's rows stay the same; `slice_decode`: a lone row on
@@ -190,7 +234,9 @@ class Runner:
         if logits is None:
             caches = decode_caches(plan, self.store.geometry.num_layers)
             logits = self.model(inputs[:, None], cache=caches)[:, -1, :]
-        steps = [s.generated + (1 if i < n_current else 0) for i, s in enumerate(self.seqs)]
+        # each row's count of emitted tokens once its pending one is out (already, if read early)
+        out = n_current if self.read is None else 0
+        steps = [s.generated + (1 if i < out else 0) for i, s in enumerate(self.seqs)]
         for s in self.seqs:
             self.store.advance(s.request_id, 1)
         self.fresh = []
@@ -201,15 +247,10 @@ class Runner:
             self._queue(self.pending)
         if current is None:
             return []
-        emitting = self.seqs[:n_current]
-        tokens = self._read_tokens(current)
+        tokens, handed_out = self._take(current)
         if not self.overlap:
             self._queue(self.pending)
-        logprobs = _read_logprobs(current, emitting)
-        return [
-            StepToken(seq, tok, logprobs[i] if logprobs else None)
-            for i, (seq, tok) in enumerate(zip(emitting, tokens, strict=True))
-        ]
+        return [] if handed_out else step_tokens(current, self.seqs, tokens)
 
     def _speculate(self, spec: Speculator) -> list[StepToken] | None:
         """A step that verifies drafts: the previous step's tokens are read first (they end
@@ -220,28 +261,34 @@ class Runner:
         the ordinary step runs."""
         current = self.pending
         n_current = 0 if current is None else current.tokens.shape[0]
-        tokens = self._read_tokens(current) if current is not None else []
+        tokens, handed_out = self._take(current) if current is not None else ([], False)
         allocs = [self.store.get(s.request_id) for s in self.seqs]
         drafts = []
         for i, (seq, alloc) in enumerate(zip(self.seqs, allocs, strict=True)):
-            emitted = seq.generated + (i < n_current)  # once this step's pending token is out
+            emitted = seq.generated + (i < n_current and not handed_out)  # once its pending token is out
             room = min(seq.request.max_tokens - emitted - 1,  # the target's token ends the run
                        alloc.capacity * self.store.block_size - alloc.length - 1)
-            last = tokens[i] if i < n_current else None
+            last = tokens[i] if i < n_current and not handed_out else None  # else in its outputs
             if last is not None and last in seq.request.stop_token_ids:
                 room = 0  # it ends with this step
             drafts.append(spec.propose(seq, last, room))
         if not any(drafts):
             spec.skipped_steps += 1
+            self.read = tokens if handed_out else None  # the ordinary step emits them, or not
             return None
         self.settle()
-        logprobs = _read_logprobs(current, self.seqs[:n_current]) if current is not None else []
+        if handed_out:
+            n_emit = 0
+            logprobs = []
+        else:
+            n_emit = n_current
+            logprobs = _read_logprobs(current, self.seqs[:n_current]) if current is not None else []
         if self.sampler.needs_feedback:
             self.sampler.accept(tokens)
         inputs = [*tokens, *self.fresh]
         rows = [
             ChunkRow(PrefillRow(alloc, (inputs[i], *drafts[i])), seq.request.sampling,
-                     seq.generated + (i < n_current))
+                     seq.generated + (i < n_current and not handed_out))
             for i, (seq, alloc) in enumerate(zip(self.seqs, allocs, strict=True))
         ]
         started = time.perf_counter()
@@ -250,7 +297,7 @@ class Runner:
         out: list[StepToken] = []
         pending: list[tuple[Verified, int]] = []
         for i, (seq, draft, v) in enumerate(zip(self.seqs, drafts, verified, strict=True)):
-            if i < n_current:
+            if i < n_emit:
                 out.append(StepToken(seq, tokens[i], logprobs[i] if logprobs else None))
             n = accepted_length(draft, v.tokens)
             if draft:
@@ -304,18 +351,13 @@ class Runner:
         mask: read the previous step's tokens first (which also lets that step finish before
         this one writes the pool), hand them to the rows' processors, then sample. Rows that
         joined this step have emitted nothing yet; their first sample needs no feedback."""
-        tokens = self._read_tokens(current) if current is not None else []
+        tokens, handed_out = self._take(current) if current is not None else ([], False)
         self.sampler.accept(tokens)
         self.pending = self._sample(logits, steps)
         self._queue(self.pending)
-        if current is None:
+        if current is None or handed_out:
             return []
-        emitting = self.seqs[: len(tokens)]
-        logprobs = _read_logprobs(current, emitting)
-        return [
-            StepToken(seq, tok, logprobs[i] if logprobs else None)
-            for i, (seq, tok) in enumerate(zip(emitting, tokens, strict=True))
-        ]
+        return step_tokens(current, self.seqs, tokens)
 
     def _queue(self, step: SampledStep) -> None:
         """Queue a decode step. On CUDA this is launch work; MLX also blocks here while too
@@ -323,13 +365,6 @@ class Runner:
         started = time.perf_counter()
         mx.async_eval(*step.arrays())
         self.queue_s += time.perf_counter() - started
-
-    def _read_tokens(self, step: SampledStep) -> list[int]:
-        """The host sync of a decode step: its time is the device's, not the host's."""
-        started = time.perf_counter()
-        tokens: list[int] = step.tokens.tolist()
-        self.decode_wait_s += time.perf_counter() - started
-        return tokens
 
     def _inputs(self, current: SampledStep | None) -> mx.array:
         fresh = mx.array(self.fresh, dtype=mx.uint32) if self.fresh else None
@@ -348,6 +383,8 @@ class Runner:
         keep_pending = [i for i in keep if i < n_current]
         self.fresh = [self.fresh[i - n_current] for i in keep if i >= n_current]
         self.seqs = [self.seqs[i] for i in keep]
+        if self.read is not None:
+            self.read = [self.read[i] for i in keep_pending] if keep_pending else None
         if self.pending is not None:
             if not keep_pending:
                 self.pending = None

@@ -25,12 +25,12 @@ import mlx.core as mx
 from engine.dense.prefix import DensePrefixCache
 from engine.dense.store import DenseStore, merge_caches
 from engine.prompt_scoring import score_chunk
-from engine.runner import StepToken, _read_logprobs
+from engine.runner import ReadsEarly, StepToken, step_tokens
 from engine.sampling import BatchSampler, SampledStep
 from engine.sequence import Sequence
 
 
-class DenseRunner:
+class DenseRunner(ReadsEarly):
     compiled = None  # no traced decode steps here
     slice_choice = None
     slice_decode = False
@@ -43,6 +43,7 @@ class DenseRunner:
         self.prefix = prefix  # where checkpoints taken during prefill go
         self.seqs: list[Sequence] = []  # the batch; rows [0, len(pending)) have a token in flight
         self.pending: SampledStep | None = None
+        self.read: list[int] | None = None  # `pending`'s tokens, read and handed out early
         self.fresh: list[int] = []  # last prompt token of each row that joined since the last step
         self.sampler = BatchSampler([])
         self.force_slice: bool | None = None  # the warm-up sets it; nothing to slice here
@@ -168,21 +169,22 @@ class DenseRunner:
         n_current = 0 if current is None else current.tokens.shape[0]
         inputs = self._inputs(current)
         logits = self._forward(inputs)
-        steps = [s.generated + (1 if i < n_current else 0) for i, s in enumerate(self.seqs)]
+        out = n_current if self.read is None else 0  # rows whose pending token is not out yet
+        steps = [s.generated + (1 if i < out else 0) for i, s in enumerate(self.seqs)]
         for s in self.seqs:
             self.store.advance(s.request_id, 1)
         self.fresh = []
-        if self.sampler.needs_feedback:
-            tokens = self._read_tokens(current) if current is not None else []
+        feedback = self.sampler.needs_feedback  # the rows' processors see the tokens first
+        tokens, handed_out = self._take(current) if current is not None and feedback else ([], False)
+        if feedback:
             self.sampler.accept(tokens)
-            self.pending = self._sample(logits, steps)
-            self._queue(self.pending)
-            return self._emitted(current, tokens)
         self.pending = self._sample(logits, steps)
         self._queue(self.pending)
         if current is None:
             return []
-        return self._emitted(current, self._read_tokens(current))
+        if not feedback:
+            tokens, handed_out = self._take(current)
+        return [] if handed_out else step_tokens(current, self.seqs, tokens)
 
     def _forward(self, inputs: mx.array) -> mx.array:
         store = self.store
@@ -195,16 +197,6 @@ class DenseRunner:
             rows.append(self.model(inputs[i : i + 1, None], cache=caches)[:, -1, :])
         return mx.concatenate(rows, axis=0)
 
-    def _emitted(self, current: SampledStep | None, tokens: list[int]) -> list[StepToken]:
-        if current is None:
-            return []
-        emitting = self.seqs[: len(tokens)]
-        logprobs = _read_logprobs(current, emitting)
-        return [
-            StepToken(seq, tok, logprobs[i] if logprobs else None)
-            for i, (seq, tok) in enumerate(zip(emitting, tokens, strict=True))
-        ]
-
     def _sample(self, logits: mx.array, steps: list[int]) -> SampledStep:
         step = self.sampler.sample(logits, steps)
         return step if self.agree is None else self.agree(step)
@@ -213,12 +205,6 @@ class DenseRunner:
         started = time.perf_counter()
         mx.async_eval(*step.arrays())
         self.queue_s += time.perf_counter() - started
-
-    def _read_tokens(self, step: SampledStep) -> list[int]:
-        started = time.perf_counter()
-        tokens: list[int] = step.tokens.tolist()
-        self.decode_wait_s += time.perf_counter() - started
-        return tokens
 
     def _inputs(self, current: SampledStep | None) -> mx.array:
         fresh = mx.array(self.fresh, dtype=mx.uint32) if self.fresh else None
@@ -238,6 +224,8 @@ class DenseRunner:
         self.fresh = [self.fresh[i - n_current] for i in keep if i >= n_current]
         self.store.leave([s.request_id for s in self.seqs if id(s) in gone])
         self.seqs = [self.seqs[i] for i in keep]
+        if self.read is not None:
+            self.read = [self.read[i] for i in keep_pending] if keep_pending else None
         if self.pending is not None:
             if not keep_pending:
                 self.pending = None
