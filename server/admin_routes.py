@@ -15,6 +15,7 @@ from engine.wired import WIRED
 from memory import Tier
 from server.errors import BadRequest, ServiceUnavailable
 from server.malloc import running_allocator
+from server.mlx_env import reported
 from server.model_fit import fit_json
 from server.schemas import MemoryGuardUpdate
 from server.state import ServerState, get_state
@@ -42,13 +43,14 @@ async def health(request: Request) -> JSONResponse:
 
 
 @router.get("/v1/version")
-async def get_version() -> dict[str, str]:
+async def get_version() -> dict[str, Any]:
     return {
         "version": os.environ.get("MLX_HEADROOM_VERSION") or _version("mlx-headroom"),
         "mlx": _version("mlx"),
         "mlx_lm": _version("mlx-lm"),
         "backend": backend_name(),
         "malloc": running_allocator(),  # "jemalloc" or "system" (server.malloc)
+        "mlx_env": reported(os.environ),  # MLX settings the server defaults (server.mlx_env)
     }
 
 

@@ -241,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         # says a long prompt exceeds the tokenizer's nominal length; admission checks the real
         # context itself): only its errors, unless the operator asks for more.
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        from server.mlx_env import apply_defaults
+
+        apply_defaults(os.environ)  # before MLX runs anything (server.mlx_env says why)
     if from_command_line and argv[:1] == ["serve"]:
         from server.malloc import early_choice, serve_on_jemalloc
 
