@@ -36,7 +36,7 @@ from engine.kv.store import Allocation, KVStore, Segment, slots_of
 class PrefillCache:
     def __init__(self, segment: Segment, layer: int, offset: int, write: mx.array, read: mx.array | None,
                  quant: KVQuant | None = None, mask: mx.array | None = None,
-                 run_start: int | None = None) -> None:
+                 run_start: int | None = None, width: int = 0) -> None:
         self.segment = segment
         self.layer = layer
         self.offset = offset
@@ -45,8 +45,10 @@ class PrefillCache:
         self._quant = quant
         self._mask = mask  # keys padded past the chunk's end (engine.kv.buckets): masked out
         # The request's slots up to the chunk's end are one run from this slot: its K/V are
-        # a strided view of the pool (`engine.kv.attention.run_decode` does the same).
+        # a strided view of the pool (`engine.kv.attention.run_decode` does the same), `width`
+        # slots long (past the chunk's end where keys are padded: whatever lies there, masked).
         self._run_start = run_start
+        self._width = width
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         k = keys[0].transpose(1, 0, 2)  # [T, H, D]
@@ -56,7 +58,7 @@ class PrefillCache:
         seg.values[layer][self._write] = v if quant is None else quant.encode(v)
         self.offset += keys.shape[2]
         if self._run_start is not None:
-            start, end = self._run_start, self._run_start + self.offset
+            start, end = self._run_start, self._run_start + self._width
             k = seg.keys[layer][start:end].transpose(1, 0, 2)[None]  # [1, H, L, D], a view
             v = seg.values[layer][start:end].transpose(1, 0, 2)[None]
             return (k, v) if quant is None else (quant.decode(k), quant.decode(v))
@@ -87,19 +89,23 @@ def prefill_caches(store: KVStore, alloc: Allocation, tokens: int) -> list[Prefi
     width = store.key_lengths.keys(tokens, end)
     if width == end:
         store.key_lengths.ran(tokens, end)
-        blocks = alloc.table[: store.blocks_for(end)]
-        if consecutive(blocks):  # no gather: SDPA reads the request's K/V where they lie
-            return [
-                PrefillCache(alloc.segment, layer, start, write, None, store.geometry.quant,
-                             run_start=blocks[0] * store.block_size)
-                for layer in range(store.geometry.num_layers)
-            ]
     mask = None
-    if width > end:  # filler slots (the row's first), masked out: SDPA sees a length it has planned
-        slots = mx.concatenate([slots, mx.broadcast_to(slots[:1], (width - end,))])
+    if width > end:  # filler past the end, masked out: SDPA sees a length it has planned
         query = mx.arange(start, end, dtype=mx.int32)[:, None]
         mask = additive_mask((mx.arange(width, dtype=mx.int32)[None, :] <= query)[None, None],
                              store.geometry.dtype)
+    blocks = alloc.table[: store.blocks_for(end)]
+    first = blocks[0] * store.block_size
+    if consecutive(blocks) and first + width <= alloc.segment.slots:
+        # No gather: SDPA reads the request's K/V where they lie. Filler slots are whatever
+        # follows them in the segment (finite: written K/V or zeros), masked out.
+        return [
+            PrefillCache(alloc.segment, layer, start, write, None, store.geometry.quant, mask,
+                         run_start=first, width=width)
+            for layer in range(store.geometry.num_layers)
+        ]
+    if width > end:  # filler slots: the row's first
+        slots = mx.concatenate([slots, mx.broadcast_to(slots[:1], (width - end,))])
     # rows of the pool seen as [slots × H, D], ordered head-major: one gather gives [H, L, D]
     read = slots[None, :] * heads + mx.arange(heads, dtype=mx.int32)[:, None]
     return [

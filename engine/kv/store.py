@@ -117,6 +117,7 @@ class Segment:
     def __init__(self, segment_id: int, num_blocks: int, block_size: int, geo: KVGeometry) -> None:
         self.id = segment_id
         self.blocks = BlockAllocator(num_blocks)
+        self.slots = num_blocks * block_size
         row, dtype = geo.row_shape
         shape = (num_blocks * block_size, *row)
         self.keys: list[mx.array] = [mx.zeros(shape, dtype) for _ in range(geo.num_layers)]

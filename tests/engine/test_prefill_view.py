@@ -71,3 +71,31 @@ def test_the_view_is_the_request_s_own_slots_in_order() -> None:
     assert cache._read is None
     np.testing.assert_array_equal(np.array(keys), np.array(k))
     np.testing.assert_array_equal(np.array(values), np.array(v))
+
+
+def test_padded_keys_read_from_the_view_give_the_unpadded_attention() -> None:
+    """Where keys are padded, the view runs past the chunk's end over whatever the segment
+    holds there (here another request's K/V of large magnitude), masked: the same output
+    as the exact keys. A run too close to the segment's end to hold the padding gathers."""
+    geometry = KVGeometry(1, 2, 32, mx.float32)
+    rng = np.random.default_rng(1)
+    k, v = (mx.array(rng.standard_normal((1, 2, 100, 32)).astype(np.float32)) for _ in range(2))
+    q = mx.array(rng.standard_normal((1, 4, 40, 32)).astype(np.float32))
+    outs = []
+    for bucket in (0, 64):
+        store = KVStore(geometry, segment_tokens=512, key_bucket=bucket)
+        alloc = store.reserve("r", 100)
+        other = store.reserve("after", 200)
+        loud = mx.full((1, 2, 200, 32), 50.0)
+        prefill_caches(store, other, 200)[0].update_and_fetch(loud, loud)
+        prefill_caches(store, alloc, 60)[0].update_and_fetch(k[:, :, :60], v[:, :, :60])
+        store.advance("r", 60)
+        cache = prefill_caches(store, alloc, 40)[0]
+        keys, values = cache.update_and_fetch(k[:, :, 60:], v[:, :, 60:])
+        assert cache._read is None and keys.shape[2] == (128 if bucket else 100)
+        mask = cache.make_mask(40)
+        outs.append(np.array(mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.2, mask=mask)))
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    tight = KVStore(geometry, segment_tokens=112, key_bucket=64)  # 7 blocks: 100 keys fit, 128 do not
+    cache = prefill_caches(tight, tight.reserve("r", 100), 100)[0]
+    assert cache._read is not None and cache._read.shape[-1] == 128
