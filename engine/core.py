@@ -787,11 +787,10 @@ class EngineCore:
         """Run the step's chunks, several prompts per model call, and let the tracker
         learn what the step's batch took against what was predicted for it."""
         tokens = sum(n for _, n in chunks)
-        self._emit_early()  # first: rows that finish there free their KV before the baseline
         active_before = mx.get_active_memory()
         self.admission.reset_peak()
         started, settled = time.perf_counter(), self.batch.settle_s
-        self._counters["prefill_calls"] += self.batch.prefill(chunks)
+        self._counters["prefill_calls"] += self.batch.prefill(chunks, on_settled=self._emit_early)
         seconds = time.perf_counter() - started - (self.batch.settle_s - settled)
         self._prefill_s += seconds
         self._step_prompt_tokens += tokens
@@ -831,12 +830,12 @@ class EngineCore:
 
     # ---- decode ----------------------------------------------------------------------
     def _emit_early(self) -> None:
-        """Before the step's first prefill call: read the queued decode step's tokens and
-        hand them out now. That call waits for the decode step anyway (it writes the pool
-        the step reads, `Runner.settle`); left to the step's own decode, those tokens would
-        wait for the prefill too, and a request whose prompt just finished would get its
-        first token a whole prefill chunk late (beside a long prompt's 512-token chunk at
-        80k of context, 138 ms on an H100)."""
+        """Once a prefill call has waited for the queued decode step (it writes the pool
+        the step reads, `Runner.settle`), with its graph built and before it runs: read that
+        step's tokens and hand them out now. Left to the step's own decode, they would wait
+        for the prefill too, and a request whose prompt just finished would get its first
+        token a whole prefill chunk late (beside a long prompt's 512-token chunk at 80k of
+        context, 138 ms on an H100)."""
         produced = self.batch.read_pending()
         if not produced:
             return

@@ -58,6 +58,21 @@ class ReadsEarly:
     seqs: list[Sequence]
     sampler: BatchSampler
     decode_wait_s: float
+    settle_s: float
+    _on_settled: Callable[[], None] | None = None  # run once by the next settle (prefill's)
+
+    def settle(self) -> None:
+        """Let the queued decode step finish: writes into the pool or the caches (a prefill
+        chunk, a prefix's copy-on-write) must find no queued work reading them, or MLX
+        copies the arrays instead of writing in place. Then run what the engine asked for
+        once that step is done (`prefill(on_settled=...)`): its tokens are there to read."""
+        started = time.perf_counter()
+        if self.pending is not None:
+            mx.eval(*self.pending.arrays())
+        hook, self._on_settled = self._on_settled, None
+        if hook is not None:
+            hook()
+        self.settle_s += time.perf_counter() - started
 
     def read_pending(self) -> list[StepToken]:
         """The queued decode step's tokens, now (the engine hands them out before a prefill
@@ -139,13 +154,23 @@ class Runner(ReadsEarly):
         """Run prompt tokens [processed, processed + tokens) into the request's own blocks."""
         self.prefill([(seq, tokens)])
 
-    def prefill(self, chunks: Seq[tuple[Sequence, int]]) -> int:
+    def prefill(self, chunks: Seq[tuple[Sequence, int]],
+                on_settled: Callable[[], None] | None = None) -> int:
         """Run each request's next `tokens` prompt tokens, several requests per model call.
 
         Chunks living in one segment share a call (`engine.kv.prefill`), up to
         `prefill_batch` of them; a lone chunk keeps the single-request path (no padding,
-        the "causal" mask). Returns the number of model calls made.
+        the "causal" mask). `on_settled` runs once the queued decode step is done, after
+        the first call's graph is built and before it runs (`settle`). Returns the number
+        of model calls made.
         """
+        self._on_settled = on_settled
+        try:
+            return self._prefill(chunks)
+        finally:
+            self._on_settled = None
+
+    def _prefill(self, chunks: Seq[tuple[Sequence, int]]) -> int:
         rows = []
         calls = 0
         for seq, tokens in chunks:
@@ -190,15 +215,6 @@ class Runner(ReadsEarly):
         seq.prompt_logprobs.extend(score_chunk(logits[0], following, seq.request.prompt_logprobs or 0))
         mx.eval(row.alloc.segment.arrays())
         self.prefill_wait_s += time.perf_counter() - started
-
-    def settle(self) -> None:
-        """Let the queued decode step finish: writes into the pool (a prefill chunk, a
-        prefix's copy-on-write) must find no queued work reading it, or MLX copies the
-        segment's arrays instead of writing in place."""
-        if self.pending is not None:
-            started = time.perf_counter()
-            mx.eval(*self.pending.arrays())
-            self.settle_s += time.perf_counter() - started
 
     # ---- the batch -------------------------------------------------------------------
     def join(self, seq: Sequence) -> None:

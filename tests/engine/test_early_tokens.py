@@ -27,31 +27,30 @@ def _prompt(seed: int, n: int) -> tuple[int, ...]:
     return tuple(random.Random(seed).randrange(0, 256) for _ in range(n))
 
 
-def _watch_prefill_calls(h, request_id: str) -> list[int]:
-    """Tokens `request_id` had received at each of the engine's prefill calls."""
+def _watch_first_token(h, request_id: str, other: str) -> list[int]:
+    """How many prompt tokens `other` had run when `request_id`'s first token went out."""
     seen: list[int] = []
-    prefill = h.core.batch.prefill
+    publish = h.core.publish
 
-    def watched(chunks):
-        seen.append(len(h.out.tokens.get(request_id, [])))
-        return prefill(chunks)
+    def watched(outputs):
+        if not seen and any(o.request_id == request_id and o.new_tokens for o in outputs):
+            seen.append(next(s.processed for s in h.core.prefilling if s.request_id == other))
+        publish(outputs)
 
-    h.core.batch.prefill = watched
+    h.core.publish = watched
     return seen
 
 
 @pytest.mark.parametrize("path", ["paged", "dense"])
-def test_a_finished_prompt_gets_its_first_token_before_the_next_prefill_call(
-        make_engine, path: str) -> None:
-    loaded = _loaded(path)
-    h = make_engine(loaded=loaded, prefill_step_size=64, max_step_tokens=64, prefix_cache_bytes=0)
-    seen = _watch_prefill_calls(h, "short")
+def test_a_finished_prompt_gets_its_first_token_before_the_next_prefill_call(make_engine, path: str) -> None:
+    h = make_engine(loaded=_loaded(path), prefill_step_size=64, max_step_tokens=64, prefix_cache_bytes=0)
+    seen = _watch_first_token(h, "short", "long")
     h.submit(EngineRequest("short", _prompt(1, 40), 4, SamplingParams(temperature=0.0)))
     h.core.step()  # the short prompt prefills and joins; its first decode step is queued
     assert h.out.tokens.get("short", []) == []
     h.submit(EngineRequest("long", _prompt(2, 400), 2, SamplingParams(temperature=0.0)))
-    h.core.step()
-    assert seen[:2] == [0, 1], seen  # its first token was out when the long prompt's chunk ran
+    h.core.step()  # the long prompt's first chunk: the short's token went out before it ran
+    assert seen == [0] and h.core.prefilling[0].processed > 0
     h.run_until(lambda: {"short", "long"} <= set(h.out.finished))
     assert len(h.out.tokens["short"]) == 4 and len(h.out.tokens["long"]) == 2
 
