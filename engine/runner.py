@@ -61,6 +61,20 @@ class ReadsEarly:
     settle_s: float
     _on_settled: Callable[[], None] | None = None  # run once by the next settle (prefill's)
 
+    def prefill(self, chunks: Seq[tuple[Sequence, int]],
+                on_settled: Callable[[], None] | None = None) -> int:
+        """Run each request's next `tokens` prompt tokens (`_prefill`, the runner's own);
+        `on_settled` runs once the queued decode step is done, after the first call's graph
+        is built and before it runs (`settle`). Returns the number of model calls made."""
+        self._on_settled = on_settled
+        try:
+            return self._prefill(chunks)
+        finally:
+            self._on_settled = None
+
+    def _prefill(self, chunks: Seq[tuple[Sequence, int]]) -> int:
+        raise NotImplementedError
+
     def settle(self) -> None:
         """Let the queued decode step finish: writes into the pool or the caches (a prefill
         chunk, a prefix's copy-on-write) must find no queued work reading them, or MLX
@@ -154,23 +168,13 @@ class Runner(ReadsEarly):
         """Run prompt tokens [processed, processed + tokens) into the request's own blocks."""
         self.prefill([(seq, tokens)])
 
-    def prefill(self, chunks: Seq[tuple[Sequence, int]],
-                on_settled: Callable[[], None] | None = None) -> int:
+    def _prefill(self, chunks: Seq[tuple[Sequence, int]]) -> int:
         """Run each request's next `tokens` prompt tokens, several requests per model call.
 
         Chunks living in one segment share a call (`engine.kv.prefill`), up to
         `prefill_batch` of them; a lone chunk keeps the single-request path (no padding,
-        the "causal" mask). `on_settled` runs once the queued decode step is done, after
-        the first call's graph is built and before it runs (`settle`). Returns the number
-        of model calls made.
+        the "causal" mask). Returns the number of model calls made.
         """
-        self._on_settled = on_settled
-        try:
-            return self._prefill(chunks)
-        finally:
-            self._on_settled = None
-
-    def _prefill(self, chunks: Seq[tuple[Sequence, int]]) -> int:
         rows = []
         calls = 0
         for seq, tokens in chunks:

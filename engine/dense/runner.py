@@ -17,7 +17,6 @@ are read.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -60,21 +59,13 @@ class DenseRunner(ReadsEarly):
         return len(self.seqs)
 
     # ---- prefill ---------------------------------------------------------------------
-    def prefill(self, chunks: Seq[tuple[Sequence, int]],
-                on_settled: Callable[[], None] | None = None) -> int:
+    def _prefill(self, chunks: Seq[tuple[Sequence, int]]) -> int:
         """Run each request's next `tokens` prompt tokens into its own caches (a request
         scoring its prompt reads the call's logits, as in the paged runner). Prompts that
         begin here run together in one call (`_prefill_together`); the others one request
         per call. A chunk that crosses a checkpoint boundary of the prefix cache
         (`engine.dense.prefix`) runs as two calls, and the caches are snapshotted between
-        them. `on_settled` as in the paged runner. Returns the number of model calls made."""
-        self._on_settled = on_settled
-        try:
-            return self._prefill(chunks)
-        finally:
-            self._on_settled = None
-
-    def _prefill(self, chunks: Seq[tuple[Sequence, int]]) -> int:
+        them. Returns the number of model calls made."""
         together = [(s, n) for s, n in chunks if self._starts_here(s, n)] if self.prefill_batch > 1 else []
         parts = [together[i : i + self.prefill_batch] for i in range(0, len(together), self.prefill_batch)]
         shared = [part for part in parts if len(part) > 1]  # a lone one runs as any other chunk
