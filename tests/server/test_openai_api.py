@@ -181,7 +181,7 @@ def test_models_health_version(server, monkeypatch):
     assert models["data"][0]["id"] == MODEL
     assert httpx.get(f"{server.url}/health").status_code == 200
     version = httpx.get(f"{server.url}/v1/version").json()
-    assert set(version) == {"version", "mlx", "mlx_lm", "backend", "malloc"}
+    assert set(version) == {"version", "mlx", "mlx_lm", "backend", "malloc", "mlx_env"}
     assert version["backend"] in {"cpu", "cuda", "metal"}
     assert version["version"] == "0.1.0"
 
