@@ -50,8 +50,9 @@ class StepToken:
 
 
 class ReadsEarly:
-    """A runner's queued decode step, read when the engine asks rather than by the next
-    `step` (both runners: this one and `engine.dense.DenseRunner`)."""
+    """What both runners (this one and `engine.dense.DenseRunner`) share around their
+    queued decode step: a prefill waits for it (`settle`), and its tokens are read when the
+    engine asks, once it is done, rather than by the next `step`."""
 
     pending: SampledStep | None
     read: list[int] | None  # `pending`'s tokens, read and handed out early
