@@ -34,7 +34,8 @@ from engine.kv.store import Allocation, KVStore, Segment, slots_of
 
 
 class PrefillCache:
-    def __init__(self, segment: Segment, layer: int, offset: int, write: mx.array, read: mx.array | None,
+    def __init__(self, segment: Segment, layer: int, offset: int, write: mx.array | None,
+                 read: mx.array | None,
                  quant: KVQuant | None = None, mask: mx.array | None = None,
                  run_start: int | None = None, width: int = 0) -> None:
         self.segment = segment
@@ -54,8 +55,11 @@ class PrefillCache:
         k = keys[0].transpose(1, 0, 2)  # [T, H, D]
         v = values[0].transpose(1, 0, 2)
         seg, layer, quant = self.segment, self.layer, self._quant
-        seg.keys[layer][self._write] = k if quant is None else quant.encode(k)
-        seg.values[layer][self._write] = v if quant is None else quant.encode(v)
+        # one run of slots: a slice update; else a scatter to each token's slot
+        write = self._write if self._run_start is None else \
+            slice(self._run_start + self.offset, self._run_start + self.offset + keys.shape[2])
+        seg.keys[layer][write] = k if quant is None else quant.encode(k)
+        seg.values[layer][write] = v if quant is None else quant.encode(v)
         self.offset += keys.shape[2]
         if self._run_start is not None:
             start, end = self._run_start, self._run_start + self._width
@@ -83,9 +87,6 @@ def prefill_caches(store: KVStore, alloc: Allocation, tokens: int) -> list[Prefi
     """Caches for running the request's next `tokens` prompt tokens after `alloc.length`."""
     start = alloc.length
     end = start + tokens
-    write = slots_of(alloc.table, store.block_size, end, start=start)
-    heads = store.geometry.num_kv_heads
-    slots = slots_of(alloc.table, store.block_size, end)
     width = store.key_lengths.keys(tokens, end)
     if width == end:
         store.key_lengths.ran(tokens, end)
@@ -100,13 +101,16 @@ def prefill_caches(store: KVStore, alloc: Allocation, tokens: int) -> list[Prefi
         # No gather: SDPA reads the request's K/V where they lie. Filler slots are whatever
         # follows them in the segment (finite: written K/V or zeros), masked out.
         return [
-            PrefillCache(alloc.segment, layer, start, write, None, store.geometry.quant, mask,
+            PrefillCache(alloc.segment, layer, start, None, None, store.geometry.quant, mask,
                          run_start=first, width=width)
             for layer in range(store.geometry.num_layers)
         ]
+    write = slots_of(alloc.table, store.block_size, end, start=start)
+    slots = slots_of(alloc.table, store.block_size, end)
     if width > end:  # filler slots: the row's first
         slots = mx.concatenate([slots, mx.broadcast_to(slots[:1], (width - end,))])
     # rows of the pool seen as [slots × H, D], ordered head-major: one gather gives [H, L, D]
+    heads = store.geometry.num_kv_heads
     read = slots[None, :] * heads + mx.arange(heads, dtype=mx.int32)[:, None]
     return [
         PrefillCache(alloc.segment, layer, start, write, read, store.geometry.quant, mask)
