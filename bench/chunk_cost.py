@@ -12,7 +12,13 @@ already seen (a backend that plans attention per shape has planned it):
   engine's buckets under an additive mask (`engine.kv.buckets`);
 - `projections`: one layer's dense matmuls for `n` tokens (q, k, v, o, gate, up, down);
 - `model`: the whole model through mlx-lm's own `KVCache`, a chunk of `n` tokens after
-  `context` tokens were prefilled (the cache trimmed back after each timing).
+  `context` tokens were prefilled (the cache trimmed back after each timing);
+- `store`: the whole model through the engine's paged KV store (`engine.kv`), the same
+  chunks, three ways: keys padded to the buckets and gathered (`padded_gather`, the store
+  before it priced padding against plans and read views), padded and read as a view of
+  the pool (`padded_view`), and as the engine serves now (`served`: padded or exact by
+  `KeyLengths`, read as a view). Each is timed on its shape's first call (`first_ms`:
+  plans and kernels built there) and warm (`ms`).
 
 It prints one line per measurement and writes them as JSON (`--out`). Padding and mask are
 the engine's own (`engine.kv.buckets`, `engine.kv.masks`), and nothing else of the project
@@ -138,6 +144,59 @@ def model_rows(cfg: dict, chunks: list[int], contexts: list[int], dtype: mx.Dtyp
     return rows
 
 
+STORE_VARIANTS = ("padded_gather", "padded_view", "served")
+
+
+def store_chunk(model: object, store: object, alloc: object, tokens: mx.array) -> mx.array:
+    """The chunk's last logits through the store, written where the last call wrote it:
+    each call sees the same context."""
+    from engine.kv import prefill_caches
+
+    out = model(tokens, cache=prefill_caches(store, alloc, tokens.shape[1]))[:, -1]
+    mx.eval(out, alloc.segment.arrays())
+    return out
+
+
+def store_rows(cfg: dict, chunks: list[int], contexts: list[int], dtype: mx.Dtype, iters: int) -> list[dict]:
+    from mlx_lm.models import llama
+
+    from engine.kv import KVGeometry, KVStore, install_attention_hook, prefill_caches
+    from engine.kv.buckets import CUDA_PLAN_MS
+
+    model = llama.Model(llama.ModelArgs.from_dict(cfg))
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    install_attention_hook(model)
+    layers, hq, hk, d = (cfg["num_hidden_layers"], cfg["num_attention_heads"],
+                         cfg["num_key_value_heads"], cfg["head_dim"])
+    longest = max(contexts) + max(chunks)
+    store = KVStore(KVGeometry(layers, hk, d, dtype), segment_tokens=padded_keys(longest, CUDA_KEY_BUCKET),
+                    key_bucket=CUDA_KEY_BUCKET, pair_flops=4 * hq * d * layers, plan_ms=CUDA_PLAN_MS)
+    alloc = store.reserve("chunk-cost", longest)
+    vocab = cfg["vocab_size"]
+    rows = []
+    for c in sorted(contexts):
+        while alloc.length < c:
+            step = min(4096, c - alloc.length)
+            model(mx.random.randint(0, vocab, (1, step)), cache=prefill_caches(store, alloc, step))
+            mx.eval(alloc.segment.arrays())
+            store.advance("chunk-cost", step)
+        for n in chunks:
+            tokens = mx.random.randint(0, vocab, (1, n))
+            row: dict = {"part": "store", "context": c, "tokens": n}
+            for variant in STORE_VARIANTS:
+                store.prefill_views = variant != "padded_gather"
+                store.key_lengths.pair_flops = 4 * hq * d * layers if variant == "served" else 0
+                keys = store.key_lengths.keys(n, c + n)
+                chunk = partial(store_chunk, model, store, alloc, tokens)
+                first = timed_us(chunk, 1, warmup=0) / 1e3
+                row[variant] = {"keys": keys, "first_ms": round(first, 2),
+                                "ms": round(timed_ms(chunk, iters), 2)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--chunks", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048, 4096])
@@ -145,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=LLAMA_8B["num_hidden_layers"])
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--parts", nargs="+", default=["attention", "projections", "model"])
+    p.add_argument("--parts", nargs="+", default=["attention", "projections", "model", "store"])
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     dtype = getattr(mx, args.dtype)
@@ -157,6 +216,8 @@ def main(argv: list[str] | None = None) -> None:
         rows += projection_rows(cfg, args.chunks, dtype, args.iters)
     if "model" in args.parts:
         rows += model_rows(cfg, args.chunks, args.contexts, dtype, args.iters)
+    if "store" in args.parts:
+        rows += store_rows(cfg, args.chunks, args.contexts, dtype, args.iters)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"device": str(mx.default_device()), "config": cfg,

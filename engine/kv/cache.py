@@ -97,7 +97,7 @@ def prefill_caches(store: KVStore, alloc: Allocation, tokens: int) -> list[Prefi
                              store.geometry.dtype)
     blocks = alloc.table[: store.blocks_for(end)]
     first = blocks[0] * store.block_size
-    if consecutive(blocks) and first + width <= alloc.segment.slots:
+    if store.prefill_views and consecutive(blocks) and first + width <= alloc.segment.slots:
         # No gather: SDPA reads the request's K/V where they lie. Filler slots are whatever
         # follows them in the segment (finite: written K/V or zeros), masked out.
         return [

@@ -160,6 +160,9 @@ class KVStore:
         self.block_size = block_size
         # prefill keys padded to lengths from a small set, or exact (engine.kv.buckets)
         self.key_lengths = KeyLengths(key_bucket, pair_flops, plan_ms)
+        # a prefill reads a request on one run of slots as a view of the pool; False: it
+        # always gathers (`bench.chunk_cost` times both)
+        self.prefill_views = True
         if segment_tokens is None:
             segment_tokens = default_segment_tokens("metal", geometry.bytes_per_token)
         self.segment_blocks = max(1, segment_tokens // block_size)
