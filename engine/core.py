@@ -79,7 +79,8 @@ class EngineConfig:
     # CUDA, where attention is planned per shape; 0: never padded.
     prefill_key_bucket: int | None = None
     # What a new attention shape's plan costs (ms): a padded call attends its exact keys
-    # where padding would cost more (engine.kv.buckets.KeyLengths). None: 35 on CUDA.
+    # where padding would cost more (engine.kv.buckets.KeyLengths). None: timed by the
+    # warm-up where it runs (engine.kv.plan_probe), else 35 on CUDA.
     prefill_plan_ms: float | None = None
     decode_overlap: bool | None = None  # None: on for CUDA (measured safe), off elsewhere (engine.runner)
     max_step_tokens: int | None = None  # tokens per step, decode rows included (None: prefill_step_size)
@@ -165,6 +166,9 @@ class EngineStats:
     # The decode-stall target, the decode step and prefill cost it measures (engine.step_budget)
     step_budget: dict[str, float | int | None] | None = None
     decode_rows: int = 0  # rows summed over decode steps: generated_tokens / decode_rows per row and step
+    # Prefill keys: the bucket, the plan cost padding is priced by, calls exact and padded
+    # (engine.kv.buckets.KeyLengths)
+    prefill_keys: dict[str, float | int | bool] | None = None
     speculative: dict[str, object] | None = None  # acceptance and tokens per step (engine.speculative)
 
 
@@ -1060,6 +1064,7 @@ class EngineCore:
             warmup_s=round(self.warmup_s, 3),
             step_budget=self.step_budget.report(),
             decode_rows=c["decode_rows"],
+            prefill_keys=self.store.key_lengths.report(),
             speculative=self._speculative_report(),
         )
 

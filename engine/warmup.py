@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine.kv.plan_probe import measure_plan_ms
 from engine.request import EngineRequest, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
@@ -104,6 +105,7 @@ def warm_up(core: EngineCore, *, prompt_tokens: int = PROMPT_TOKENS) -> WarmupRe
                 core.abort(r.request_id)
             core._drain_inbox(timeout=0)
             core.step()
+        _measure_plans(core)  # before the hand-back, which returns its buffers too
     finally:
         core.publish = publish
         runner.force_slice = None
@@ -122,3 +124,15 @@ def warm_up(core: EngineCore, *, prompt_tokens: int = PROMPT_TOKENS) -> WarmupRe
         log.warning("warm-up did not complete (%s) in %.2fs: the first requests will pay for "
                     "first-use kernel compilation", outcomes, report.seconds)
     return report
+
+
+def _measure_plans(core: EngineCore) -> None:
+    """Where the store pads prefill keys and no plan cost was configured, time what a new
+    attention shape costs to plan here (`engine.kv.plan_probe`) and price padding by it."""
+    lengths = core.store.key_lengths
+    if not core.store.key_bucket or core.config.prefill_plan_ms is not None or core.store.geometry is None:
+        return
+    g = core.store.geometry
+    lengths.plan_ms = measure_plan_ms(core.loaded.geometry.num_heads, g.num_kv_heads, g.head_dim, g.dtype)
+    lengths.plan_measured = True
+    log.info("a new shape of prefill attention plans in %.1f ms here", lengths.plan_ms)

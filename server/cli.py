@@ -84,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
                        "CUDA, 0 = never elsewhere)")
     serve.add_argument("--prefill-plan-ms", type=float, default=None,
                        help="what planning a new prefill attention shape costs: a call whose key "
-                       "padding would cost more attends its exact keys (default: 35 on CUDA)")
+                       "padding would cost more attends its exact keys (default: timed at start-up on CUDA)")
     serve.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
                        help="replay decode steps from traced graphs once the batch holds still "
                        "(default: on CUDA only, where it was measured to win)")

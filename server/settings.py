@@ -109,7 +109,7 @@ class Settings(BaseSettings):
     prefill_plan_ms: float | None = Field(
         None, ge=0, description="what a new shape of prefill attention costs to plan (cuDNN), in ms: "
         "a call whose padded keys would cost more than that attends its exact keys, causal "
-        "(engine.kv.buckets.KeyLengths; None: 35 on CUDA, where it was measured)",
+        "(engine.kv.buckets.KeyLengths; None: timed by the warm-up on CUDA, else 35 there)",
     )
     slice_decode: bool | None = Field(
         None, description="attend a lone decoding row on consecutive KV blocks as one slice of "

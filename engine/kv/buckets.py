@@ -92,6 +92,9 @@ class KeyLengths:
     bucket: int = 0
     pair_flops: int = 0
     plan_ms: float = 0.0
+    plan_measured: bool = False  # `plan_ms` was timed on this machine (engine.kv.plan_probe)
+    exact_calls: int = 0  # calls that attended exact keys where the bucket would have padded
+    padded_calls: int = 0
     _planned: OrderedDict[tuple[int, int, int], None] = field(default_factory=OrderedDict, repr=False)
 
     def keys(self, queries: int, end: int, rows: int = 1) -> int:
@@ -109,11 +112,20 @@ class KeyLengths:
         work = self.pair_flops * max(rows * queries, QUERY_FLOOR) * end
         return PADDING_OVERHEAD * work / ATTENTION_FLOP_S * 1e3
 
-    def ran(self, queries: int, keys: int, rows: int = 1) -> None:
-        """Note a call over its exact keys: its shape is planned now."""
-        if keys != padded_keys(keys, self.bucket):
+    def ran(self, queries: int, end: int, keys: int, rows: int = 1) -> None:
+        """Note a call that ended at `end` and attended `keys` keys: an exact shape that the
+        bucket would have padded is planned now."""
+        if keys > end:
+            self.padded_calls += 1
+        elif keys != padded_keys(keys, self.bucket):
+            self.exact_calls += 1
             shape = (rows, queries, keys)
             self._planned[shape] = None
             self._planned.move_to_end(shape)
             while len(self._planned) > PLANNED_SHAPES:
                 self._planned.popitem(last=False)
+
+    def report(self) -> dict[str, float | int | bool]:
+        return {"bucket": self.bucket, "plan_ms": round(self.plan_ms, 3), "plan_measured": self.plan_measured,
+                "exact_calls": self.exact_calls, "padded_calls": self.padded_calls,
+                "planned_shapes": len(self._planned)}

@@ -88,8 +88,7 @@ def prefill_caches(store: KVStore, alloc: Allocation, tokens: int) -> list[Prefi
     start = alloc.length
     end = start + tokens
     width = store.key_lengths.keys(tokens, end)
-    if width == end:
-        store.key_lengths.ran(tokens, end)
+    store.key_lengths.ran(tokens, end, width)
     mask = None
     if width > end:  # filler past the end, masked out: SDPA sees a length it has planned
         query = mx.arange(start, end, dtype=mx.int32)[:, None]

@@ -73,8 +73,7 @@ def plan_prefill(store: KVStore, rows: Seq[PrefillRow]) -> PrefillPlan:
     same_shape = not needs_array_mask(starts.tolist(), lengths.tolist())
     # past the furthest end: filler, masked; rows of one shape may attend exact keys, causal
     width = store.key_lengths.keys(t, end, b) if same_shape else padded_keys(end, store.key_bucket)
-    if same_shape and width == end:
-        store.key_lengths.ran(t, end, b)
+    store.key_lengths.ran(t, end, width, b)
     inputs = np.zeros((b, t), dtype=np.uint32)
     valid: list[np.ndarray] = []
     write: list[np.ndarray] = []

@@ -243,7 +243,7 @@ def test_padding_is_chosen_only_where_it_costs_less_than_a_plan() -> None:
     assert lengths.keys(512, 60_000) == 61_440
     assert lengths.keys(8, 98_816, rows=64) == 98_816  # 512 queries in all
     assert lengths.keys(8, 98_816) == lengths.keys(127, 98_816) == 102_400  # a verify step: pads
-    lengths.ran(512, 60_000)
+    lengths.ran(512, 60_000, 60_000)
     assert lengths.keys(512, 60_000) == 60_000 and lengths.keys(512, 60_001) == 61_440
     assert lengths.keys(512, 61_440) == 61_440  # a multiple of the bucket is exact already
     never = KeyLengths(CUDA_KEY_BUCKET, pair_flops=0, plan_ms=CUDA_PLAN_MS)
@@ -255,10 +255,10 @@ def test_padding_is_chosen_only_where_it_costs_less_than_a_plan() -> None:
 def test_the_planned_shapes_are_bounded_and_kept_by_use() -> None:
     lengths = KeyLengths(64, pair_flops=1, plan_ms=1e9)
     for end in range(1, 2 * PLANNED_SHAPES + 2, 2):
-        lengths.ran(200, end)
+        lengths.ran(200, end, end)
     assert lengths.keys(200, 1) == 64  # the oldest fell out
-    lengths.ran(200, 3)  # used again: the newest
-    lengths.ran(200, 1000)
+    lengths.ran(200, 3, 3)  # used again: the newest
+    lengths.ran(200, 1000, 1000)
     assert lengths.keys(200, 3) == 3 and lengths.keys(200, 5) == 64
 
 

@@ -141,3 +141,37 @@ def test_a_warm_up_leaves_the_slice_off_where_it_is_set_off(make_engine) -> None
     warm_up(h.core)
     assert h.core.batch.sliced_steps == 0
     assert h.core.batch.force_slice is None
+
+
+def test_the_warm_up_times_a_new_attention_shapes_plan_where_keys_are_padded(make_engine) -> None:
+    """Where the store pads prefill keys and no plan cost is configured, the warm-up prices
+    padding by a plan timed here (the CPU plans nothing: about 0 ms), reported in the stats;
+    a configured cost is kept, and a store that pads nothing times nothing."""
+    padded = make_engine(prefill_step_size=64, prefill_key_bucket=64)
+    warm_up(padded.core)
+    keys = padded.core.stats.prefill_keys
+    assert keys["plan_measured"] is True and 0 <= keys["plan_ms"] < 35
+    assert padded.core.store.key_lengths.plan_ms == pytest.approx(keys["plan_ms"], abs=1e-3)
+    assert mx.get_cache_memory() == 0  # the probe's buffers went back with the rest
+    configured = make_engine(prefill_step_size=64, prefill_key_bucket=64, prefill_plan_ms=20.0)
+    warm_up(configured.core)
+    assert configured.core.stats.prefill_keys["plan_ms"] == 20.0
+    assert configured.core.stats.prefill_keys["plan_measured"] is False
+    plain = make_engine(prefill_step_size=64)
+    warm_up(plain.core)
+    assert plain.core.stats.prefill_keys == {"bucket": 0, "plan_ms": 0.0, "plan_measured": False,
+                                             "exact_calls": 0, "padded_calls": 0, "planned_shapes": 0}
+
+
+def test_calls_are_counted_exact_or_padded(make_engine) -> None:
+    """The stats count prefill calls by the keys they attended: padded to the bucket, or
+    exact where the bucket would have padded (the padding priced above a plan)."""
+    counts = []
+    for plan_ms in (1e9, 0.0):
+        h = make_engine(prefill_step_size=160, prefill_key_bucket=64, prefill_plan_ms=plan_ms)
+        h.submit(EngineRequest("r", tuple(random.Random(2).randrange(0, 256) for _ in range(300)), 2,
+                               SamplingParams(temperature=0.0)))
+        h.run_until(lambda h=h: "r" in h.out.finished)
+        keys = h.core.stats.prefill_keys
+        counts.append((keys["exact_calls"], keys["padded_calls"]))
+    assert counts == [(0, 2), (2, 0)]  # 160 + 139 tokens: padded to 192 and 320, or exact
