@@ -11,8 +11,8 @@ prompt in 256-token chunks at 65 ms a chunk at any context, where the two chunks
 shapes a warm-up had run took 10 ms (bare mlx-lm's own cache, which concatenates, the same).
 Speculative verification, a few tokens over a growing context each step, paid it per step.
 
-So where the backend plans per shape (`default_key_bucket`), a prefill call's keys are
-gathered up to `padded_keys` (filler slots beyond the real ones, masked out): powers of two
+So where the backend plans per shape (`default_key_bucket`), a prefill call's keys may be
+read up to `padded_keys` (filler slots beyond the real ones, masked out): powers of two
 from 256 up to the bucket, then multiples of it. A 100k-token prompt then attends over 29
 distinct lengths (4 powers of two, 25 multiples of 4,096), not one per chunk; the padding
 costs at most a bucket of masked keys per call. The queries' length is part of the shape
@@ -21,13 +21,14 @@ too: a chunk that the step budget cuts (`engine.step_budget`) is cut to a multip
 planned per length, and the padding would be work for nothing.
 
 Padding is not free either: keys under an additive mask leave cuDNN's causal path, and one
-layer's attention then takes 1.8–1.9× as long (H100, 32 heads over 8 KV heads of 128, bf16,
-`python -m bench.chunk_cost`: 4,096 queries over 98,304 keys 10.9 ms causal, 22.2 ms
+layer's attention then takes 1.85–2.05× as long over 8k–98k keys (H100, 32 heads over 8 KV
+heads of 128, bf16, `python -m bench.chunk_cost`: 4,096 queries over 98,304 keys 10.9 ms causal, 22.2 ms
 padded; 512 queries 1.5 and 2.8 ms). Over a whole 8B model a 4,096-token chunk at 98k of
 context pays about 360 ms for padding that saves one 35 ms plan. So `KeyLengths` pads a
 call only where the padding costs less than a plan: small chunks, short contexts. A call
 whose shape ran before attends its exact keys at no cost: a long prompt prefilled from 0
-in full chunks gives the same (chunk, context) shapes every time, so its plans recur.
+in full chunks gives the same (chunk, context) shapes every time, so its plans recur. The
+plan's cost is timed by the start-up warm-up where it runs (`engine.kv.plan_probe`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ QUERY_QUANTUM = 256  # a chunk the step budget cuts is a multiple of this (engin
 QUERY_FLOOR = 512
 # What a new shape's plan costs, and how fast causal attention runs once planned (H100 and
 # H200, bf16, 512 queries or more; `bench.chunk_cost` measured 550–630 TFLOP/s), and the
-# share of the causal time that padding under an additive mask adds (0.85–0.95 measured).
+# share of the causal time that padding under an additive mask adds (0.85–1.05 measured at
+# 512–4,096 queries over 32k–98k keys). CUDA_PLAN_MS stands where the warm-up does not run.
 CUDA_PLAN_MS = 35.0
 ATTENTION_FLOP_S = 6.0e14
 PADDING_OVERHEAD = 0.9

@@ -2,10 +2,10 @@
 
 `KeyLengths` (`engine.kv.buckets`) pads a prefill call's keys only where the padding costs
 more than a new shape's plan would. That plan's cost is the card's and the library's: 35 ms
-was measured on an H200 and an H100 with MLX 0.32.4, and another card or another cuDNN may
-differ. So the start-up warm-up (`engine.warmup`) times it where attention is planned per
-shape: a causal call at a key length the engine has not used, against the same call again,
-after a first length has compiled the kernels. The difference is the plan.
+was measured on an H200 with MLX 0.32.4, and another card or another cuDNN may differ. So
+the start-up warm-up (`engine.warmup`) times it where attention is planned per shape: a
+causal call at a key length the engine has not used, against the same call again, after a
+first length has compiled the kernels. The difference is the plan.
 """
 
 from __future__ import annotations
