@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from engine.kv import KVStore
-from engine.kv.buckets import padded_keys
 from engine.kv.prefill import needs_array_mask
 from engine.prompt_scoring import scoring_bytes
 from engine.sequence import Sequence
@@ -328,7 +327,7 @@ class Admission:
         width = max(max(n, 1) for _, n in chunks)
         end = max(s.processed + n for s, n in chunks)
         ragged = needs_array_mask([s.processed for s, _ in chunks], [n for _, n in chunks])
-        keys = padded_keys(end, self.store.key_bucket) if ragged else self._keys(width, end, len(chunks))
+        keys = self.store.key_lengths.call_keys(width, end, len(chunks), ragged=ragged)
         estimate = estimate_prefill(
             self.geometry, chunk_tokens=width, context_tokens=max(keys - width, 0),
             batch=len(chunks), backend=self.backend, masked=keys > end or ragged,

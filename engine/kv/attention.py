@@ -26,7 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.kv.cache import DecodeCache, DecodeGroup
+from engine.kv.cache import DecodeCache, DecodeGroup, run_view
 from engine.kv.cuda_decode import paged_decode, partition_split
 from engine.kv.quant import KVQuant
 
@@ -124,10 +124,7 @@ def run_decode(q: mx.array, keys: mx.array, values: mx.array, start: int, length
     which reads any strides; the bare model's step uses it too). The view's length is the
     row's, so each step is a new shape: such a step is never traced (engine.compiled_decode).
     Quantized rows are decoded from the view: one contiguous transient of the row's K/V."""
-    k = keys[start : start + length].transpose(1, 0, 2)[None]  # [1, H, L, D], a view
-    v = values[start : start + length].transpose(1, 0, 2)[None]
-    if quant is not None:
-        k, v = quant.decode(k), quant.decode(v)
+    k, v = run_view(keys, values, start, length, quant)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
 
 

@@ -108,6 +108,12 @@ class KeyLengths:
             return padded
         return end if self.padding_ms(queries, end, rows) > self.plan_ms else padded
 
+    def call_keys(self, queries: int, end: int, rows: int = 1, *, ragged: bool = False) -> int:
+        """The keys of a call of `rows` rows of up to `queries` queries ending at most at
+        `end`: `keys` where the rows are of one shape (causal); padded where they differ,
+        whose mask is an array anyway."""
+        return padded_keys(end, self.bucket) if ragged else self.keys(queries, end, rows)
+
     def padding_ms(self, queries: int, end: int, rows: int = 1) -> float:
         """What padding `end` keys adds to the call; below QUERY_FLOOR queries the card is
         not filled and a call costs what QUERY_FLOOR queries cost."""

@@ -62,10 +62,7 @@ class PrefillCache:
         seg.values[layer][write] = v if quant is None else quant.encode(v)
         self.offset += keys.shape[2]
         if self._run_start is not None:
-            start, end = self._run_start, self._run_start + self._width
-            k = seg.keys[layer][start:end].transpose(1, 0, 2)[None]  # [1, H, L, D], a view
-            v = seg.values[layer][start:end].transpose(1, 0, 2)[None]
-            return (k, v) if quant is None else (quant.decode(k), quant.decode(v))
+            return run_view(seg.keys[layer], seg.values[layer], self._run_start, self._width, quant)
         slots, heads, width = seg.keys[layer].shape
         k = seg.keys[layer].reshape(slots * heads, width)[self._read][None]
         v = seg.values[layer].reshape(slots * heads, width)[self._read][None]
@@ -81,6 +78,15 @@ class PrefillCache:
         return create_attention_mask(
             n, offset=self.offset, return_array=return_array, window_size=window_size
         )
+
+
+def run_view(keys: mx.array, values: mx.array, start: int, length: int,
+             quant: KVQuant | None = None) -> tuple[mx.array, mx.array]:
+    """`length` consecutive slots of a layer's pool from `start`, as SDPA's [1, H, L, D]: a
+    strided view, no copy; quantized rows decoded (one contiguous transient)."""
+    k = keys[start : start + length].transpose(1, 0, 2)[None]
+    v = values[start : start + length].transpose(1, 0, 2)[None]
+    return (k, v) if quant is None else (quant.decode(k), quant.decode(v))
 
 
 def prefill_caches(store: KVStore, alloc: Allocation, tokens: int) -> list[PrefillCache]:

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from engine.kv.buckets import padded_keys
 from engine.kv.masks import additive_mask
 from engine.kv.quant import KVQuant
 from engine.kv.store import Allocation, KVStore, Segment
@@ -72,7 +71,7 @@ def plan_prefill(store: KVStore, rows: Seq[PrefillRow]) -> PrefillPlan:
     end = int(ends.max())
     same_shape = not needs_array_mask(starts.tolist(), lengths.tolist())
     # past the furthest end: filler, masked; rows of one shape may attend exact keys, causal
-    width = store.key_lengths.keys(t, end, b) if same_shape else padded_keys(end, store.key_bucket)
+    width = store.key_lengths.call_keys(t, end, b, ragged=not same_shape)
     store.key_lengths.ran(t, end, width, b)
     inputs = np.zeros((b, t), dtype=np.uint32)
     valid: list[np.ndarray] = []
