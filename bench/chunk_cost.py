@@ -14,10 +14,10 @@ already seen (a backend that plans attention per shape has planned it):
 - `model`: the whole model through mlx-lm's own `KVCache`, a chunk of `n` tokens after
   `context` tokens were prefilled (the cache trimmed back after each timing);
 - `store`: the whole model through the engine's paged KV store (`engine.kv`), the same
-  chunks, three ways: keys padded to the buckets and gathered (`padded_gather`, the store
-  before it priced padding against plans and read views), padded and read as a view of
-  the pool (`padded_view`), and as the engine serves now (`served`: padded or exact by
-  `KeyLengths`, read as a view). Each is timed on its shape's first call (`first_ms`:
+  chunks, three ways: keys always padded to the buckets and gathered (`padded_gather`:
+  `--prefill-plan-ms` very large and no views), padded and read as a view of the pool
+  (`padded_view`), and as the engine serves (`served`: padded or exact by `KeyLengths`,
+  read as a view). Each is timed on its shape's first call (`first_ms`:
   plans and kernels built there) and warm (`ms`).
 
 It prints one line per measurement and writes them as JSON (`--out`). Padding and mask are
