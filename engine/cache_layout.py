@@ -26,7 +26,9 @@ offset and one mask per row, as mlx-lm's batch caches and the paged store's view
 `CacheLayout.batched`.
 
 `CacheLayout.plain_kv` is the paged store's case (every entry a plain `KVCache` with the same
-heads and dims for keys and values, rows batched); other models are served by `engine.dense`.
+heads and dims for keys and values, rows batched), and `CacheLayout.paged_windows` its case
+of full and sliding-window layers (held in layer groups, `memory.paged`); other models are
+served by `engine.dense`.
 """
 
 from __future__ import annotations
@@ -114,6 +116,27 @@ class CacheLayout:
             and (c.kv_heads, c.key_dim) == (first.kv_heads, first.key_dim)
             for c in self.layers
         )
+
+    @cached_property
+    def paged_windows(self) -> tuple[int | None, ...] | None:
+        """Each entry's window (None: full) where the paged store holds the model in layer
+        groups (`memory.paged`): every entry a plain `KVCache` or a `RotatingKVCache` that
+        keeps no leading tokens, keys and values of one shape, one per layer, rows
+        batched. None otherwise (and for a model of full layers only: `plain_kv`)."""
+        if not self.layers or len(self.layers) != self.entries or not self.batched:
+            return None
+        if self.model_layers and self.model_layers != self.entries:
+            return None
+        first = self.layers[0]
+        if not all(
+            ((c.cache_type == "KVCache" and c.kind == FULL)
+             or (c.cache_type == "RotatingKVCache" and c.kind == WINDOW and c.keep == 0 and c.window))
+            and c.key_dim == c.value_dim and (c.kv_heads, c.key_dim) == (first.kv_heads, first.key_dim)
+            for c in self.layers
+        ):
+            return None
+        windows = tuple(c.window if c.kind == WINDOW else None for c in self.layers)
+        return windows if any(w is not None for w in windows) else None
 
     @cached_property
     def mergeable(self) -> bool:
@@ -457,6 +480,8 @@ def geometry_for(model: Any, layout: CacheLayout, dtype_bytes: int | None = None
 
     if not layout.uniform and geometry.kv_bits is None:
         geometry = replace(geometry, kv_layout=layout.kv_layout(dtype_bytes))
+    if layout.paged_windows is not None:
+        geometry = replace(geometry, kv_windows=layout.paged_windows)
     if geometry.kv_bits is not None or measured == geometry.kv_bytes_per_token:
         return geometry
     return replace(geometry, measured_kv_bytes_per_token=measured)

@@ -110,6 +110,9 @@ class EngineConfig:
     # with a scale and a bias per `kv_group_size` along head_dim. None: the model's dtype.
     kv_bits: int | None = None
     kv_group_size: int = 64
+    # Sliding-window layers held in the paged store, at their window (`memory.paged`);
+    # False: such models are served through mlx-lm's own caches (engine.dense), as before.
+    paged_windows: bool = True
     # Speculative decoding (engine.speculative): drafts verified as one chunk per row while
     # the batch is small. Off unless asked for (docs/throughput.md has what it gains).
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
@@ -188,11 +191,18 @@ class _Call:
     done: Callable[[Any, BaseException | None], None]
 
 
+def ring_chunk_tokens(config: EngineConfig) -> int:
+    """The most tokens one call writes for a request: a prefill chunk, or a verify of the
+    most drafts (a window group's ring holds its window plus that, `memory.paged`)."""
+    verify = config.speculative.num_tokens + 1 if config.speculative.on else 1
+    return max(config.prefill_step_size, config.min_chunk_tokens, verify)
+
+
 def quantized_kv(loaded: LoadedModel, config: EngineConfig) -> KVGeometry | None:
     """The paged store's geometry with the configured KV quantization (None: the model is
     not served by the paged store). The store refuses bits or a group size that do not fit
     the heads (`engine.kv.quant.KVQuant`)."""
-    kv = loaded.kv_geometry()
+    kv = loaded.kv_geometry(windows=config.paged_windows)
     if kv is None or config.kv_bits is None:
         return kv
     return dataclasses.replace(kv, kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
@@ -231,7 +241,11 @@ class EngineCore:
             g = loaded.geometry
             self.store = KVStore(kv, block_size=config.kv_block_size, segment_tokens=segment_tokens,
                                  key_bucket=key_bucket, plan_ms=plan_ms,
-                                 pair_flops=4 * g.num_heads * g.head_dim * g.num_layers)
+                                 pair_flops=4 * g.num_heads * g.head_dim * g.num_layers,
+                                 chunk_tokens=ring_chunk_tokens(config))
+            if kv.windowed:
+                log.info("serving %s with window layers in the paged store: %s", loaded.model_id,
+                         loaded.cache_layout().describe())
         else:
             if config.kv_bits is not None:
                 raise ValueError(f"quantized KV needs the paged KV store, and {loaded.model_id}'s "
@@ -258,7 +272,8 @@ class EngineCore:
                 self.store, max_bytes=config.prefix_cache_bytes, min_hit_tokens=self.store.block_size,
             )
         self._prefix_budget = 0  # what the cache may hold now (the last upkeep's room)
-        if config.prefix_cache_dir and isinstance(self.store, KVStore) and config.prefix_cache_bytes != 0:
+        if config.prefix_cache_dir and isinstance(self.store, KVStore) and config.prefix_cache_bytes != 0 \
+                and not self.store.geometry.windowed:
             self.prefix_cache.disk = open_disk_tier(config.prefix_cache_dir, config.prefix_cache_disk_bytes,
                                                     loaded.path, self.store)
             self.prefix_cache.prefill_rate = self._prefill_rate
@@ -271,7 +286,8 @@ class EngineCore:
         else:
             overlap = on_cuda_by_default(config.decode_overlap, loaded.backend)
             compiled = None
-            if on_cuda_by_default(config.compile_decode, loaded.backend):
+            # a window group's decode reads its rings through arrays a traced step does not take
+            if on_cuda_by_default(config.compile_decode, loaded.backend) and not self.store.geometry.windowed:
                 compiled = CompiledDecode(self.model, self.store, loaded.geometry.num_heads,
                                           after=config.compile_after)
             speculator = None
@@ -524,7 +540,7 @@ class EngineCore:
             return None
         if self.admission.growth_bytes(seq, exact=True) == 0:
             return None
-        need = self.store.blocks_for(seq.final_len)
+        need = self.store.request_blocks(seq.final_len)
         if seq.shared is not None:
             own = need - seq.shared.tokens // self.store.block_size
             segment = seq.shared.segment_id
@@ -535,7 +551,7 @@ class EngineCore:
     def _evict_in_place(self, seq: Sequence, segment_id: int) -> None:
         """Make the request's blocks free in `segment_id` by evicting cached blocks there."""
         assert isinstance(self.store, KVStore)
-        need = self.store.blocks_for(seq.final_len)
+        need = self.store.request_blocks(seq.final_len)
         if seq.shared is not None and seq.shared.segment_id == segment_id:
             need -= seq.shared.tokens // self.store.block_size
         store = self.store

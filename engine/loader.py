@@ -69,16 +69,19 @@ class LoadedModel:
             return self.layout
         return probe_cache_layout(self.model, weights_loaded=True)
 
-    def kv_geometry(self) -> KVGeometry | None:
+    def kv_geometry(self, windows: bool = True) -> KVGeometry | None:
         """The paged KV store's shape, read from the model's caches; None when they are not
-        all plain `KVCache`s of the config's heads and dims (`engine.dense` serves those)."""
+        all plain `KVCache`s of the config's heads and dims, or (with `windows`) those and
+        sliding-window `RotatingKVCache`s (`engine.dense` serves the rest)."""
         layout = self.cache_layout()
-        if not layout.plain_kv:
+        paged_windows = layout.paged_windows if windows else None
+        if not layout.plain_kv and paged_windows is None:
             return None
         first = layout.layers[0]
         if (first.kv_heads, first.key_dim) != (self.geometry.num_kv_heads, self.geometry.head_dim):
             return None  # MLA: what the cache stores is not what the config's heads attend
-        return KVGeometry(layout.entries, first.kv_heads, first.key_dim, layout.dtype)
+        return KVGeometry(layout.entries, first.kv_heads, first.key_dim, layout.dtype,
+                          windows=paged_windows or ())
 
 
 def _context_length(path: Path | None, tokenizer: Any, default: int = 8192) -> int:

@@ -172,6 +172,10 @@ class ModelGeometry:
     # kind's terms, so that a sequence is sized as its caches hold it. None: every layer
     # holds every token at ``kv_bytes_per_token``.
     kv_layout: KVLayout | None = None
+    # Each layer's sliding window (None: full) where the engine's paged store holds the
+    # model in layer groups (``memory.paged``); None where it does not (then ``kv_layout``
+    # says how mlx-lm's own caches hold it).
+    kv_windows: tuple[int | None, ...] | None = None
     # A weight a prefill call materialises beside its activations, one at a time (quantized
     # projections that the engine dequantizes for many rows); 0: none.
     prefill_weight_bytes: int = 0

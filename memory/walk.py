@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .estimate import ModelGeometry, estimate_prefill
+from .paged import PagedLayout, paged_layout
 from .tracker import DEFAULT_MARGIN
 
 
@@ -51,6 +52,19 @@ class EngineParams:
     kv_block_tokens: int = 16
     kv_segment_tokens: int = 2048  # a new segment's default size, in tokens
     fuse_projections: bool = True  # the loader fuses q/k/v and gate/up (memory.weights.FUSED_GROUPS)
+    paged_windows: bool = True  # window layers in the paged store (EngineConfig.paged_windows)
+    ring_tokens: int | None = None  # the rings' chunk (engine.core.ring_chunk_tokens); None: chunk_tokens
+
+
+def paged_groups(geometry: ModelGeometry, params: EngineParams) -> PagedLayout | None:
+    """The paged store's layer groups for a model with window layers, where it holds them."""
+    if geometry.kv_windows is None or not params.paged_windows:
+        return None
+    return paged_layout(geometry.kv_windows, geometry.kv_bytes_per_token // len(geometry.kv_windows))
+
+
+def _ring_chunk(params: EngineParams) -> int:
+    return params.ring_tokens or max(params.chunk_tokens, params.min_chunk_tokens)
 
 
 def reservation_bytes(
@@ -59,7 +73,13 @@ def reservation_bytes(
     """KV the store reserves for requests of these final lengths: each its own, in whole
     blocks (no padding to the longest). A model with a cache layout of several kinds is
     served through mlx-lm's own caches: each request what its caches hold at most
-    (:meth:`~memory.estimate.KVLayout.bytes_for`, prefilled a chunk at a time)."""
+    (:meth:`~memory.estimate.KVLayout.bytes_for`, prefilled a chunk at a time), unless the
+    store holds it in layer groups (``memory.paged``): full groups every token, window
+    groups a ring each."""
+    groups = paged_groups(geometry, params)
+    if groups is not None:
+        block = params.kv_block_tokens
+        return sum(groups.bytes_for(max(n, 1), block, _ring_chunk(params)) for n in final_lens)
     if geometry.kv_layout is not None:
         return sum(geometry.kv_layout.bytes_for(max(n, 1), params.chunk_tokens) for n in final_lens)
     block = params.kv_block_tokens
@@ -71,6 +91,12 @@ def segment_bytes(
 ) -> int:
     """A new segment for one request: its blocks exactly, or the default size if larger
     (mlx-lm's own caches have no segments: the request's own reservation)."""
+    groups = paged_groups(geometry, params)
+    if groups is not None:
+        block = params.kv_block_tokens
+        need = groups.blocks_for(max(final_len, 1), block, _ring_chunk(params))
+        blocks = need if exact else max(need, max(1, params.kv_segment_tokens // block))
+        return blocks * block * groups.slots * groups.layer_bytes_per_token
     if geometry.kv_layout is not None:
         return reservation_bytes(geometry, [final_len], params)
     block = params.kv_block_tokens

@@ -31,6 +31,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         gil_switch_interval_s=settings.gil_switch_interval_ms / 1000,
         kv_bits=settings.kv_bits,
         kv_group_size=settings.kv_group_size,
+        paged_windows=settings.paged_windows,
         speculative=SpeculativeConfig(settings.speculative, settings.num_speculative_tokens,
                                       settings.speculative_max_rows, draft_model=settings.draft_model,
                                       draft_dtype=settings.dtype),

@@ -51,10 +51,11 @@ def engine_params(
     """The engine's admission settings, and the KV store's block and default segment sizes
     as the engine picks them for this model and backend (`device_bytes`: the card's total
     on CUDA, which sizes segments there)."""
-    from engine.core import EngineConfig
+    from engine.core import ring_chunk_tokens
     from engine.kv.store import default_segment_tokens
+    from server.engine_config import engine_config
 
-    config = EngineConfig()
+    config = engine_config(settings)
     segment = config.kv_segment_tokens
     if segment is None:
         segment = default_segment_tokens(backend, kv_bytes_per_token, device_bytes)
@@ -66,6 +67,8 @@ def engine_params(
         kv_block_tokens=config.kv_block_size,
         kv_segment_tokens=segment,
         fuse_projections=settings.fuse_projections,
+        paged_windows=settings.paged_windows,
+        ring_tokens=ring_chunk_tokens(config),
     )
 
 

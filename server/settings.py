@@ -111,6 +111,11 @@ class Settings(BaseSettings):
         "a call whose padded keys would cost more than that attends its exact keys, causal "
         "(engine.kv.buckets.KeyLengths; None: timed by the warm-up on CUDA, else 35 there)",
     )
+    paged_windows: bool = Field(
+        True, description="hold sliding-window layers in the paged KV store at their window, in "
+        "layer groups (memory.paged); false: serve such models through mlx-lm's own caches "
+        "(engine.dense), as an A/B",
+    )
     slice_decode: bool | None = Field(
         None, description="attend a lone decoding row on consecutive KV blocks as one slice of "
         "the pool, by MLX's fused SDPA, stepped eagerly (engine.kv.attention.run_decode; None: "

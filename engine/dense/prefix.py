@@ -71,7 +71,7 @@ def take_snapshot(caches: Seq[Any], tokens: int) -> Snapshot:
     for leaf in _leaves(copies):
         _own_arrays(leaf, arrays)
     mx.async_eval(arrays)
-    return Snapshot(-1, (), tokens, copies, sum(a.nbytes for a in arrays))
+    return Snapshot(-1, (), tokens, caches=copies, nbytes=sum(a.nbytes for a in arrays))
 
 
 def restore(snapshot: Snapshot) -> list[Any]:

@@ -56,34 +56,35 @@ def paged_scaled_dot_product_attention(
     sinks: mx.array | None = None,
 ) -> mx.array:
     if isinstance(cache, DecodeCache):
-        if sinks is not None:
-            raise NotImplementedError("attention sinks are not supported by the paged KV store")
-        return decode_attention(queries, cache, scale)
+        return decode_attention(queries, cache, scale, sinks)
     return _original()(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
-def decode_attention(queries: mx.array, cache: DecodeCache, scale: float) -> mx.array:
-    """`queries` is [B, heads, 1, dim]; each row attends to its own blocks only."""
+def decode_attention(queries: mx.array, cache: DecodeCache, scale: float,
+                     sinks: mx.array | None = None) -> mx.array:
+    """`queries` is [B, heads, 1, dim]; each row attends to its own blocks only (a window
+    layer's row to its band of them), with gpt-oss's per-head `sinks` in the softmax."""
     plan = cache.plan
     outs = []
-    for g in plan.groups:
+    for g in cache.groups:
         q = queries if g.rows is None else queries[g.rows]
-        outs.append(_attend_group(q, g, cache.layer, scale, plan.block_size, plan.quant))
+        outs.append(_attend_group(q, g, cache.slot, scale, plan.block_size, plan.quant, sinks))
     if plan.order is None:
         return outs[0]
     return mx.concatenate(outs, axis=0)[plan.order]
 
 
-def _attend_group(q: mx.array, g: DecodeGroup, layer: int, scale: float, block_size: int,
-                  quant: KVQuant | None) -> mx.array:
-    keys, values = g.segment.keys[layer], g.segment.values[layer]
+def _attend_group(q: mx.array, g: DecodeGroup, slot: int, scale: float, block_size: int,
+                  quant: KVQuant | None, sinks: mx.array | None = None) -> mx.array:
+    keys, values = g.segment.keys[slot], g.segment.values[slot]
     if g.run_start is not None:
-        return run_decode(q, keys, values, g.run_start, g.max_length, scale, quant)
+        return run_decode(q, keys, values, g.run_start, g.max_length, scale, quant, sinks)
     if g.kernel is None:  # decided once per step: every layer has the same shapes
-        g.kernel = _takes_kernel(q.shape[1], q.shape[-1], keys.shape[1], quant is not None)
+        g.kernel = g.ring is None and sinks is None and \
+            _takes_kernel(q.shape[1], q.shape[-1], keys.shape[1], quant is not None)
     if g.kernel:
         return paged_decode(q, keys, values, g.table, g.lengths, g.max_length, scale, block_size)
-    return plain_decode(q, keys, values, g, scale, block_size, quant)
+    return plain_decode(q, keys, values, g, scale, block_size, quant, sinks)
 
 
 def _takes_kernel(q_heads: int, head_dim: int, kv_heads: int, quantized: bool = False) -> bool:
@@ -104,7 +105,7 @@ def decode_graph_key(g: DecodeGroup, q_heads: int, head_dim: int, kv_heads: int,
 
 def plain_decode(
     q: mx.array, keys: mx.array, values: mx.array, g: DecodeGroup, scale: float, block_size: int,
-    quant: KVQuant | None = None,
+    quant: KVQuant | None = None, sinks: mx.array | None = None,
 ) -> mx.array:
     """Gather this group's slots of one layer (decoding quantized rows to the queries'
     dtype), then one masked SDPA (CPU, Metal, quantized KV, the kernel's reference)."""
@@ -114,18 +115,18 @@ def plain_decode(
     v = values.reshape(slots * heads, width)[read]
     if quant is not None:
         k, v = quant.decode(k), quant.decode(v)
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
 
 
 def run_decode(q: mx.array, keys: mx.array, values: mx.array, start: int, length: int,
-               scale: float, quant: KVQuant | None = None) -> mx.array:
+               scale: float, quant: KVQuant | None = None, sinks: mx.array | None = None) -> mx.array:
     """One row whose K/V sit in consecutive slots: SDPA over a strided view of the pool,
     no gather and no mask, so MLX takes its fused decode kernel (on CUDA, `sdpa_vector`,
     which reads any strides; the bare model's step uses it too). The view's length is the
     row's, so each step is a new shape: such a step is never traced (engine.compiled_decode).
     Quantized rows are decoded from the view: one contiguous transient of the row's K/V."""
     k, v = run_view(keys, values, start, length, quant)
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, sinks=sinks)
 
 
 def install_attention_hook(model: Any) -> int:

@@ -30,16 +30,21 @@ from engine.kv.blocks import consecutive
 from engine.kv.device_vectors import device_vector
 from engine.kv.masks import additive_mask
 from engine.kv.quant import KVQuant
-from engine.kv.store import Allocation, KVStore, Segment, slots_of
+from engine.kv.store import Allocation, KVStore, Segment, ring_slots, slots_of
 
 
 class PrefillCache:
     def __init__(self, segment: Segment, layer: int, offset: int, write: mx.array | None,
                  read: mx.array | None,
                  quant: KVQuant | None = None, mask: mx.array | None = None,
-                 run_start: int | None = None, width: int = 0) -> None:
+                 run_start: int | None = None, width: int = 0, window: int | None = None,
+                 mask_dtype: mx.Dtype = mx.float32) -> None:
         self.segment = segment
-        self.layer = layer
+        self.layer = layer  # the layer's array in the segment (its slot in its group)
+        self.window = window  # a window group's: `mask` is its band over the keys read
+        self._keys = width  # a window group's: the keys it reads
+        self._start = offset
+        self._mask_dtype = mask_dtype
         self.offset = offset
         self._write = write
         self._read = read  # rows of the pool to gather; None where the K/V are one run
@@ -69,15 +74,32 @@ class PrefillCache:
         return (k, v) if quant is None else (quant.decode(k), quant.decode(v))
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        if self.window is not None:
+            return self._window_mask(n, return_array, window_size or self.window)
+        if window_size is not None:
+            raise ValueError("a full layer of the paged KV store was asked for a sliding-window mask")
         if self._mask is not None:
-            if window_size is not None:
-                raise ValueError("the paged KV store does not serve sliding-window attention")
             return self._mask
         from mlx_lm.models.cache import create_attention_mask  # loaded with the model
 
         return create_attention_mask(
             n, offset=self.offset, return_array=return_array, window_size=window_size
         )
+
+    def _window_mask(self, n: int, return_array: bool, band: int) -> Any:
+        """A window layer's mask over the keys it reads (from its window - 1 positions before
+        the chunk on, as mlx-lm's `RotatingKVCache` keeps them), for a band of `band` keys:
+        its window unless the model asks another (plamo3 masks one more than it keeps)."""
+        if band == self.window and not (return_array and isinstance(self._mask, str)):
+            return self._mask
+        start = self._start
+        low = start + n - self._keys
+        mask = window_mask(np.asarray([start]), np.asarray([n]), np.asarray([low]), n, self._keys, band,
+                           self._mask_dtype)
+        if isinstance(mask, str):  # the array of the same band, where the model asks one
+            mask = window_mask(np.asarray([start]), np.asarray([n]), np.asarray([low]), n, self._keys,
+                               band, self._mask_dtype, array=True)
+        return mask
 
 
 def run_view(keys: mx.array, values: mx.array, start: int, length: int,
@@ -90,7 +112,22 @@ def run_view(keys: mx.array, values: mx.array, start: int, length: int,
 
 
 def prefill_caches(store: KVStore, alloc: Allocation, tokens: int) -> list[PrefillCache]:
-    """Caches for running the request's next `tokens` prompt tokens after `alloc.length`."""
+    """Caches for running the request's next `tokens` prompt tokens after `alloc.length`,
+    one per model layer: each reads its group's table (`KVGeometry.groups`)."""
+    geo = store.geometry
+    if len(geo.groups) == 1 and not geo.windowed:
+        return _full_caches(store, alloc, alloc.table, tokens, geo.num_layers)
+    per_group = [
+        _full_caches(store, alloc, table, tokens, len(group.layers)) if group.window is None
+        else _window_caches(store, alloc, table, group.window, tokens, len(group.layers))
+        for group, table in zip(geo.groups, alloc.tables, strict=True)
+    ]
+    return [per_group[gi][slot] for gi, slot in geo.layer_slots]
+
+
+def _full_caches(store: KVStore, alloc: Allocation, table: list[int], tokens: int,
+                 layers: int) -> list[PrefillCache]:
+    """A full group's caches: every key from position 0, padded where `KeyLengths` pads."""
     start = alloc.length
     end = start + tokens
     width = store.key_lengths.keys(tokens, end)
@@ -100,7 +137,7 @@ def prefill_caches(store: KVStore, alloc: Allocation, tokens: int) -> list[Prefi
         query = mx.arange(start, end, dtype=mx.int32)[:, None]
         mask = additive_mask((mx.arange(width, dtype=mx.int32)[None, :] <= query)[None, None],
                              store.geometry.dtype)
-    blocks = alloc.table[: store.blocks_for(end)]
+    blocks = table[: store.blocks_for(end)]
     first = blocks[0] * store.block_size
     if store.prefill_views and consecutive(blocks) and first + width <= alloc.segment.slots:
         # No gather: SDPA reads the request's K/V where they lie. Filler slots are whatever
@@ -108,10 +145,10 @@ def prefill_caches(store: KVStore, alloc: Allocation, tokens: int) -> list[Prefi
         return [
             PrefillCache(alloc.segment, layer, start, None, None, store.geometry.quant, mask,
                          run_start=first, width=width)
-            for layer in range(store.geometry.num_layers)
+            for layer in range(layers)
         ]
-    write = slots_of(alloc.table, store.block_size, end, start=start)
-    slots = slots_of(alloc.table, store.block_size, end)
+    write = slots_of(table, store.block_size, end, start=start)
+    slots = slots_of(table, store.block_size, end)
     if width > end:  # filler slots: the row's first
         slots = mx.concatenate([slots, mx.broadcast_to(slots[:1], (width - end,))])
     # rows of the pool seen as [slots × H, D], ordered head-major: one gather gives [H, L, D]
@@ -119,13 +156,54 @@ def prefill_caches(store: KVStore, alloc: Allocation, tokens: int) -> list[Prefi
     read = slots[None, :] * heads + mx.arange(heads, dtype=mx.int32)[:, None]
     return [
         PrefillCache(alloc.segment, layer, start, write, read, store.geometry.quant, mask)
-        for layer in range(store.geometry.num_layers)
+        for layer in range(layers)
     ]
+
+
+def _window_caches(store: KVStore, alloc: Allocation, ring: list[int], window: int, tokens: int,
+                   layers: int) -> list[PrefillCache]:
+    """A window group's caches: the chunk is written into the ring, then each query reads
+    the `window` keys up to itself, from `window - 1` positions before the chunk on."""
+    if tokens > store.chunk_tokens:
+        raise ValueError(f"a call of {tokens} tokens outgrows the rings sized for {store.chunk_tokens}")
+    start = alloc.length
+    end = start + tokens
+    low = max(0, start - window + 1)
+    bs, heads = store.block_size, store.geometry.num_kv_heads
+    write = mx.array(ring_slots(ring, bs, start, end).astype(np.int32))
+    slots = ring_slots(ring, bs, low, end)
+    read = mx.array((slots[None, :] * heads + np.arange(heads)[:, None]).astype(np.int32))
+    mask = window_mask(np.asarray([start]), np.asarray([tokens]), np.asarray([low]), tokens, end - low,
+                       window, store.geometry.dtype)
+    return [
+        PrefillCache(alloc.segment, slot, start, write, read, store.geometry.quant, mask,
+                     width=end - low, window=window, mask_dtype=store.geometry.dtype)
+        for slot in range(layers)
+    ]
+
+
+def window_mask(starts: np.ndarray, lengths: np.ndarray, lows: np.ndarray, queries: int, keys: int,
+                window: int, dtype: mx.Dtype, *, array: bool = False) -> mx.array | str:
+    """The band each row's queries attend in a window group: row b's query t is position
+    `starts[b] + t`, its key j position `lows[b] + j`, seen where `q - window < k <= q`
+    and `j < starts[b] + lengths[b] - lows[b]` (mlx-lm's `create_causal_mask` with a
+    window). "causal" where no query has more than `window` keys behind it and nothing is
+    padded: SDPA's own mask, aligned to the end of the keys. Padded queries (past a row's
+    length) attend as its last real one: never an empty row."""
+    ends = starts + lengths
+    if not array and len(starts) == 1 and keys == ends[0] - lows[0] and keys <= window \
+            and queries == lengths[0]:
+        return "causal"
+    t = np.minimum(np.arange(queries)[None, :, None], lengths[:, None, None] - 1)
+    q = starts[:, None, None] + t
+    k = lows[:, None, None] + np.arange(keys)[None, None, :]
+    allowed = (k <= q) & (k > q - window) & (k < ends[:, None, None])
+    return additive_mask(mx.array(allowed[:, None]), dtype)
 
 
 @dataclass
 class DecodeGroup:
-    """The rows of one decode step that live in one segment."""
+    """The rows of one decode step that live in one segment, in one layer group."""
 
     segment: Segment
     rows: mx.array | None  # row indices into the batch; None = all rows, in order
@@ -139,15 +217,21 @@ class DecodeGroup:
     # A group of one row whose blocks are one run of consecutive ids: the slot its K/V starts
     # at, so that attention reads one slice of the pool (`engine.kv.attention.run_decode`).
     run_start: int | None = None
+    # A window group (`memory.paged`): the keys a row attends, and each row's ring in slots.
+    window: int | None = None
+    ring: mx.array | None = None  # [Bg] int32
 
     def plain_blocks(self, block_size: int) -> int:
         """Blocks the plain path gathers per row: its graph's only use of the length."""
-        return -(-self.max_length // block_size)
+        blocks = -(-self.max_length // block_size)
+        return blocks if self.ring is None else min(blocks, self.table.shape[1])
 
     def plain_indices(self, block_size: int, kv_heads: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """Indices into the pool seen as [slots × H, D], so that one gather yields K in
         SDPA's [B, H, L, D] layout directly (no transposed copy), and the length mask,
-        additive in `dtype` (`engine.kv.masks.additive_mask` says why)."""
+        additive in `dtype` (`engine.kv.masks.additive_mask` says why). In a ring, slot r
+        of a row at position p holds position p - ((p - r) mod ring): seen if that is at
+        most `window - 1` back and not before position 0."""
         if self.read is None:
             nb = self.plain_blocks(block_size)
             table = self.table[:, :nb]
@@ -155,8 +239,14 @@ class DecodeGroup:
             slots = (table[:, :, None] * block_size + within[None, None, :]).reshape(table.shape[0], -1)
             heads = mx.arange(kv_heads, dtype=mx.int32)
             self.read = slots[:, None, :] * kv_heads + heads[None, :, None]
-            positions = mx.arange(nb * block_size, dtype=mx.int32)
-            self.mask = additive_mask((positions[None, :] < self.lengths[:, None])[:, None, None, :], dtype)
+            positions = mx.arange(nb * block_size, dtype=mx.int32)[None, :]
+            if self.ring is None:
+                seen = positions < self.lengths[:, None]
+            else:
+                last, ring = self.lengths[:, None] - 1, self.ring[:, None]
+                back = mx.remainder(last - positions, ring)
+                seen = (positions < ring) & (back <= last) & (back < (self.window or 0))
+            self.mask = additive_mask(seen[:, None, None, :], dtype)
         assert self.mask is not None
         return self.read, self.mask
 
@@ -165,11 +255,20 @@ class DecodeGroup:
 class DecodePlan:
     """Everything one decode step needs to address the store, built once per step."""
 
-    groups: list[DecodeGroup]
+    groups: list[DecodeGroup]  # the first layer group's (every layer's, where there is one)
     offsets: mx.array  # [B] position of each row's new token
     order: mx.array | None  # undoes the grouping of rows; None when there is one group
     block_size: int
     quant: KVQuant | None = None  # the pool's rows are quantized (engine.kv.quant)
+    more: tuple[list[DecodeGroup], ...] = ()  # the other layer groups' (`KVGeometry.groups`)
+    layer_slots: tuple[tuple[int, int], ...] = ()  # (layer group, slot) per layer; () = (0, layer)
+
+    def of_layer(self, layer: int) -> tuple[list[DecodeGroup], int]:
+        """The groups of rows a layer attends through, and its array in their segments."""
+        if not self.layer_slots:
+            return self.groups, layer
+        gi, slot = self.layer_slots[layer]
+        return (self.groups if gi == 0 else self.more[gi - 1]), slot
 
 
 @dataclass(frozen=True)
@@ -179,6 +278,9 @@ class _GroupTables:
     table: np.ndarray  # [Bg, NB] int32 block tables, zero-padded to `table_width`
     table_array: mx.array
     run_block: int | None  # one row on consecutive blocks: its first block (DecodeGroup.run_start)
+    # the other layer groups' tables, and for each window group its rows' ring lengths in blocks
+    more: tuple[tuple[np.ndarray, mx.array, np.ndarray | None], ...] = ()
+    ring0: np.ndarray | None = None  # the first group's ring lengths, where it is a window group
 
 
 class DecodeTables:
@@ -207,47 +309,81 @@ class DecodeTables:
         or not `runs` lets it (engine.slice_choice times both paths on such rows)."""
         return len(self._groups) == 1 and self._groups[0].run_block is not None
 
-    def keep(self, allocs: list[Allocation]) -> None:
+    def keep(self, allocs: list[Allocation], store: KVStore | None = None) -> None:
         """Rebuild the tables if the batch's rows changed since the last step."""
         if not _same_rows(allocs, self._allocs):
-            self._build(allocs)
+            self._build(allocs, store)
 
     def plan(self, store: KVStore, allocs: list[Allocation]) -> DecodePlan:
-        self.keep(allocs)
+        self.keep(allocs, store)
         bs = store.block_size
         positions = np.fromiter((a.length for a in allocs), dtype=np.int32, count=len(allocs))
-        groups = []
+        geo = store.geometry
+        windows = [g.window for g in geo.groups[1:]]
+        groups: list[DecodeGroup] = []
+        more: list[list[DecodeGroup]] = [[] for _ in windows]
         for t in self._groups:
             pos = positions if t.rows_array is None else positions[t.rows]
-            write = t.table[np.arange(len(pos)), pos // bs] * bs + pos % bs
+            segment = allocs[t.rows[0]].segment
+            lengths, max_length = device_vector(pos + 1), int(pos.max()) + 1
+            within, index = pos % bs, np.arange(len(pos))
+            window = geo.groups[0].window  # not None in a model of window layers only
+            write = t.table[index, pos // bs] * bs + within if t.ring0 is None else \
+                _ring_write(t.table, t.ring0, pos, bs)
             groups.append(DecodeGroup(
-                segment=allocs[t.rows[0]].segment, rows=t.rows_array, write=device_vector(write),
-                table=t.table_array, lengths=device_vector(pos + 1), max_length=int(pos.max()) + 1,
+                segment=segment, rows=t.rows_array, write=device_vector(write),
+                table=t.table_array, lengths=lengths, max_length=max_length,
                 run_start=None if t.run_block is None or not self.runs else t.run_block * bs,
+                window=window, ring=None if t.ring0 is None else device_vector(t.ring0 * bs),
             ))
-        return DecodePlan(groups, device_vector(positions), self._order, bs, store.geometry.quant)
+            for gi, ((table, table_array, caps), w) in enumerate(zip(t.more, windows, strict=True)):
+                write = table[index, pos // bs] * bs + within if caps is None else \
+                    _ring_write(table, caps, pos, bs)
+                more[gi].append(DecodeGroup(
+                    segment=segment, rows=t.rows_array, write=device_vector(write), table=table_array,
+                    lengths=lengths, max_length=max_length, window=w,
+                    ring=None if caps is None else device_vector(caps * bs),
+                ))
+        slots = geo.layer_slots if len(geo.groups) > 1 else ()
+        return DecodePlan(groups, device_vector(positions), self._order, bs, geo.quant, tuple(more), slots)
 
-    def _build(self, allocs: list[Allocation]) -> None:
+    def _build(self, allocs: list[Allocation], store: KVStore | None = None) -> None:
         by_segment: dict[int, list[int]] = {}
         for i, a in enumerate(allocs):
             by_segment.setdefault(a.segment.id, []).append(i)
         single = len(by_segment) == 1
+        windows = [None] if store is None else [g.window for g in store.geometry.groups]
         self._groups = []
         for rows in by_segment.values():
             members = [allocs[i] for i in rows]
-            table = np.zeros((len(members), table_width(max(a.capacity for a in members))), dtype=np.int32)
-            for j, a in enumerate(members):
-                table[j, : a.capacity] = a.table
-            run = members[0].table if len(members) == 1 else None
+            tables = [_padded_tables([a.tables[gi] for a in members]) for gi in range(len(windows))]
+            run = members[0].table if len(members) == 1 and windows[0] is None else None
+            rings = [None if w is None else np.asarray([len(a.tables[gi]) for a in members], dtype=np.int64)
+                     for gi, w in enumerate(windows)]
             self._groups.append(_GroupTables(
                 rows, None if single else device_vector(rows),
-                table, mx.array(table), run[0] if run and consecutive(run) else None,
+                tables[0], mx.array(tables[0]), run[0] if run and consecutive(run) else None,
+                tuple((tables[gi], mx.array(tables[gi]), rings[gi]) for gi in range(1, len(windows))),
+                ring0=rings[0],
             ))
         self._order = None
         if not single:
             flat = np.concatenate([np.asarray(r) for r in by_segment.values()])
             self._order = device_vector(np.argsort(flat))
         self._allocs = [weakref.ref(a) for a in allocs]
+
+
+def _padded_tables(tables: list[list[int]]) -> np.ndarray:
+    """Rows' block tables, zero-padded to one `table_width`."""
+    out = np.zeros((len(tables), table_width(max(len(t) for t in tables))), dtype=np.int32)
+    for j, t in enumerate(tables):
+        out[j, : len(t)] = t
+    return out
+
+
+def _ring_write(table: np.ndarray, caps: np.ndarray, pos: np.ndarray, block_size: int) -> np.ndarray:
+    """Each row's slot for position `pos` in its ring of `caps` blocks."""
+    return table[np.arange(len(pos)), (pos // block_size) % caps] * block_size + pos % block_size
 
 
 def table_width(capacity: int) -> int:
@@ -274,24 +410,28 @@ class DecodeCache:
         self.plan = plan
         self.layer = layer
         self.offset = plan.offsets
+        # the rows' groups of this layer's group, and the layer's array in their segments
+        self.groups, self.slot = plan.of_layer(layer)
+        self.window = self.groups[0].window if self.groups else None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         k_all, v_all = keys[:, :, 0, :], values[:, :, 0, :]
         quant = self.plan.quant
         if quant is not None:
             k_all, v_all = quant.encode(k_all), quant.encode(v_all)
-        for g in self.plan.groups:
+        for g in self.groups:
             k, v = k_all, v_all
             if g.rows is not None:
                 k, v = k[g.rows], v[g.rows]
-            g.segment.keys[self.layer][g.write] = k
-            g.segment.values[self.layer][g.write] = v
+            g.segment.keys[self.slot][g.write] = k
+            g.segment.values[self.slot][g.write] = v
         return keys, values
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> None:
-        if n != 1 or window_size is not None:
-            raise ValueError("the paged decode cache runs one token per row, without windows")
-        return None
+        if n != 1 or (window_size is not None and (self.window is None or window_size < self.window)):
+            raise ValueError(f"the paged decode cache runs one token per row, each over its layer's "
+                             f"window (asked {n} tokens, window {window_size}; the layer's {self.window})")
+        return None  # each row's band is the attention's own (`engine.kv.attention`)
 
 
 def decode_caches(plan: DecodePlan, num_layers: int) -> list[DecodeCache]:

@@ -31,15 +31,35 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from engine.kv.cache import window_mask
 from engine.kv.masks import additive_mask
 from engine.kv.quant import KVQuant
-from engine.kv.store import Allocation, KVStore, Segment
+from engine.kv.store import Allocation, KVStore, Segment, ring_slots
 
 
 @dataclass(frozen=True)
 class PrefillRow:
     alloc: Allocation
     tokens: tuple[int, ...]  # this chunk's prompt tokens (continuing at alloc.length)
+
+
+@dataclass(frozen=True)
+class GroupPart:
+    """One layer group's addressing in a batched prefill call."""
+
+    write: mx.array  # [N] int32: the real tokens' slots in the segment
+    read: mx.array  # [B, H, L] int32: rows of the pool seen as [slots × H, D]
+    mask: mx.array | str  # [B, 1, T, L] additive, model's dtype; "causal" when every row is the same shape
+    window: int | None = None
+    # a window group's rows (starts, lengths, lows), for a mask of another band
+    rows: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    dtype: mx.Dtype = mx.float32
+
+    def band(self, window: int) -> mx.array | str:
+        assert self.rows is not None
+        starts, lengths, lows = self.rows
+        return window_mask(starts, lengths, lows, int(lengths.max()), int(self.read.shape[-1]), window,
+                           self.dtype)
 
 
 @dataclass
@@ -50,10 +70,19 @@ class PrefillPlan:
     inputs: mx.array  # [B, T] uint32, right-padded with 0
     starts: mx.array  # [B] int32: position of each row's first chunk token (RoPE offset)
     valid: mx.array  # [N] int32: real tokens' indices into the flattened [B × T]
-    write: mx.array  # [N] int32: their slots in the segment
+    write: mx.array  # [N] int32: their slots in the segment (the first layer group's)
     read: mx.array  # [B, H, L] int32: rows of the pool seen as [slots × H, D]
     mask: mx.array | str  # [B, 1, T, L] additive, model's dtype; "causal" when every row is the same shape
     quant: KVQuant | None = None  # the pool's rows are quantized (engine.kv.quant)
+    more: tuple[GroupPart, ...] = ()  # the other layer groups' (`KVGeometry.groups`)
+    layer_slots: tuple[tuple[int, int], ...] = ()  # (layer group, slot) per layer; () = (0, layer)
+    window: int | None = None  # the first group's window (a model of window layers only)
+
+    def of_layer(self, layer: int) -> tuple[GroupPart, int]:
+        gi, slot = self.layer_slots[layer] if self.layer_slots else (0, layer)
+        if gi == 0:
+            return GroupPart(self.write, self.read, self.mask, self.window), slot
+        return self.more[gi - 1], slot
 
 
 def plan_prefill(store: KVStore, rows: Seq[PrefillRow]) -> PrefillPlan:
@@ -62,29 +91,56 @@ def plan_prefill(store: KVStore, rows: Seq[PrefillRow]) -> PrefillPlan:
     segment = rows[0].alloc.segment
     if any(r.alloc.segment is not segment for r in rows):
         raise ValueError("one prefill call reads one segment; group rows with group_by_segment")
-    bs, heads = store.block_size, store.geometry.num_kv_heads
     b = len(rows)
     t = max(len(r.tokens) for r in rows)
     starts = np.asarray([r.alloc.length for r in rows], dtype=np.int64)
     lengths = np.asarray([len(r.tokens) for r in rows], dtype=np.int64)
+    inputs = np.zeros((b, t), dtype=np.uint32)
+    valid: list[np.ndarray] = []
+    for i, r in enumerate(rows):
+        inputs[i, : lengths[i]] = r.tokens
+        valid.append(i * t + np.arange(lengths[i]))
+    geo = store.geometry
+    parts = [
+        _full_part(store, rows, starts, lengths, t, gi) if group.window is None
+        else _window_part(store, rows, starts, lengths, t, gi, group.window)
+        for gi, group in enumerate(geo.groups)
+    ]
+    first = parts[0]
+    return PrefillPlan(
+        segment=segment,
+        inputs=mx.array(inputs),
+        starts=mx.array(starts.astype(np.int32)),
+        valid=mx.array(np.concatenate(valid).astype(np.int32)),
+        write=first.write,
+        read=first.read,
+        mask=first.mask,
+        quant=geo.quant,
+        more=tuple(parts[1:]),
+        layer_slots=geo.layer_slots if len(geo.groups) > 1 else (),
+        window=first.window,
+    )
+
+
+def _full_part(store: KVStore, rows: Seq[PrefillRow], starts: np.ndarray, lengths: np.ndarray,
+               t: int, gi: int) -> GroupPart:
+    """A full group: every row's keys from position 0 to its end, padded to the call's."""
+    bs, heads = store.block_size, store.geometry.num_kv_heads
+    b = len(rows)
     ends = starts + lengths
     end = int(ends.max())
     same_shape = not needs_array_mask(starts.tolist(), lengths.tolist())
     # past the furthest end: filler, masked; rows of one shape may attend exact keys, causal
     width = store.key_lengths.call_keys(t, end, b, ragged=not same_shape)
     store.key_lengths.ran(t, end, width, b)
-    inputs = np.zeros((b, t), dtype=np.uint32)
-    valid: list[np.ndarray] = []
     write: list[np.ndarray] = []
     slots = np.empty((b, width), dtype=np.int64)
     for i, r in enumerate(rows):
-        inputs[i, : lengths[i]] = r.tokens
-        table = np.asarray(r.alloc.table, dtype=np.int64)
+        table = np.asarray(r.alloc.tables[gi], dtype=np.int64)
         pos = np.arange(ends[i])
         own = table[pos // bs] * bs + pos % bs
         slots[i, : ends[i]] = own
         slots[i, ends[i]:] = own[0] if len(own) else 0  # filler, masked out below
-        valid.append(i * t + np.arange(lengths[i]))
         write.append(own[starts[i]:])
     read = slots[:, None, :] * heads + np.arange(heads)[None, :, None]
     mask: mx.array | str
@@ -97,16 +153,31 @@ def plan_prefill(store: KVStore, rows: Seq[PrefillRow]) -> PrefillPlan:
         k = np.arange(width)[None, None, :]
         allowed = mx.array(((k <= starts[:, None, None] + q) & (k < ends[:, None, None]))[:, None, :, :])
         mask = additive_mask(allowed, store.geometry.dtype)
-    return PrefillPlan(
-        segment=segment,
-        inputs=mx.array(inputs),
-        starts=mx.array(starts.astype(np.int32)),
-        valid=mx.array(np.concatenate(valid).astype(np.int32)),
-        write=mx.array(np.concatenate(write).astype(np.int32)),
-        read=mx.array(read.astype(np.int32)),
-        mask=mask,
-        quant=store.geometry.quant,
-    )
+    return GroupPart(mx.array(np.concatenate(write).astype(np.int32)), mx.array(read.astype(np.int32)), mask)
+
+
+def _window_part(store: KVStore, rows: Seq[PrefillRow], starts: np.ndarray, lengths: np.ndarray,
+                 t: int, gi: int, window: int) -> GroupPart:
+    """A window group: each row writes its chunk into its ring, then reads from `window - 1`
+    positions before its chunk to its end (`engine.kv.cache.window_mask`)."""
+    if t > store.chunk_tokens:
+        raise ValueError(f"a call of {t} tokens outgrows the rings sized for {store.chunk_tokens}")
+    bs, heads = store.block_size, store.geometry.num_kv_heads
+    ends = starts + lengths
+    lows = np.maximum(starts - window + 1, 0)
+    width = int((ends - lows).max())
+    slots = np.empty((len(rows), width), dtype=np.int64)
+    write: list[np.ndarray] = []
+    for i, r in enumerate(rows):
+        ring = r.alloc.tables[gi]
+        own = ring_slots(ring, bs, int(lows[i]), int(ends[i]))
+        slots[i, : len(own)] = own
+        slots[i, len(own):] = own[0]  # filler, masked out
+        write.append(own[starts[i] - lows[i]:])
+    read = slots[:, None, :] * heads + np.arange(heads)[None, :, None]
+    mask = window_mask(starts, lengths, lows, t, width, window, store.geometry.dtype)
+    return GroupPart(mx.array(np.concatenate(write).astype(np.int32)), mx.array(read.astype(np.int32)),
+                     mask, window, (starts, lengths, lows), store.geometry.dtype)
 
 
 def needs_array_mask(starts: Seq[int], lengths: Seq[int]) -> bool:
@@ -121,27 +192,31 @@ class BatchPrefillCache:
 
     def __init__(self, plan: PrefillPlan, layer: int) -> None:
         self.plan = plan
-        self.layer = layer
         self.offset = plan.starts
+        # this layer's group's addressing, and its array in the segment
+        self.part, self.layer = plan.of_layer(layer)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         b, heads, t, dim = keys.shape
-        plan, seg, layer, quant = self.plan, self.plan.segment, self.layer, self.plan.quant
+        plan, part, seg, layer, quant = self.plan, self.part, self.plan.segment, self.layer, self.plan.quant
         k = keys.transpose(0, 2, 1, 3).reshape(b * t, heads, dim)[plan.valid]
         v = values.transpose(0, 2, 1, 3).reshape(b * t, heads, dim)[plan.valid]
-        seg.keys[layer][plan.write] = k if quant is None else quant.encode(k)
-        seg.values[layer][plan.write] = v if quant is None else quant.encode(v)
+        seg.keys[layer][part.write] = k if quant is None else quant.encode(k)
+        seg.values[layer][part.write] = v if quant is None else quant.encode(v)
         slots, _, width = seg.keys[layer].shape
-        k = seg.keys[layer].reshape(slots * heads, width)[plan.read]
-        v = seg.values[layer].reshape(slots * heads, width)[plan.read]
+        k = seg.keys[layer].reshape(slots * heads, width)[part.read]
+        v = seg.values[layer].reshape(slots * heads, width)[part.read]
         return (k, v) if quant is None else (quant.decode(k), quant.decode(v))
 
     def make_mask(
         self, n: int, return_array: bool = False, window_size: int | None = None
     ) -> mx.array | str:
-        if window_size is not None:
-            raise ValueError("the paged KV store does not serve sliding-window attention")
-        return self.plan.mask
+        window = self.part.window
+        if window is None and window_size is not None:
+            raise ValueError("a full layer of the paged KV store was asked for a sliding-window mask")
+        if window is not None and window_size not in (None, window):
+            return self.part.band(window_size)  # plamo3 masks one more than it keeps
+        return self.part.mask
 
 
 def batch_prefill_caches(plan: PrefillPlan, num_layers: int) -> list[BatchPrefillCache]:

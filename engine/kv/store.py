@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import mlx.core as mx
 import numpy as np
@@ -35,6 +36,7 @@ import numpy as np
 from engine.kv.blocks import BlockAllocator, consecutive
 from engine.kv.buckets import KeyLengths
 from engine.kv.quant import KVQuant
+from memory.paged import PagedGroup, group_blocks, group_layers
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_SEGMENT_BYTES = 2 << 30
@@ -70,6 +72,30 @@ class KVGeometry:
     dtype: mx.Dtype  # the model's: what attention reads
     kv_bits: int | None = None  # quantized KV (engine.kv.quant); None: rows in `dtype`
     kv_group_size: int = 64
+    # Keys each layer attends (its sliding window), None for a full layer; () when every
+    # layer is full. Layers are held in groups of one kind (`memory.paged`).
+    windows: tuple[int | None, ...] = ()
+
+    @cached_property
+    def groups(self) -> tuple[PagedGroup, ...]:
+        if not self.windows:
+            return (PagedGroup(tuple(range(self.num_layers))),)
+        return group_layers(self.windows)
+
+    @cached_property
+    def windowed(self) -> bool:
+        return any(g.window is not None for g in self.groups)
+
+    @cached_property
+    def block_layers(self) -> int:
+        """Layers one block holds (a segment's arrays per K and V): the largest group's."""
+        return max(len(g.layers) for g in self.groups)
+
+    @cached_property
+    def layer_slots(self) -> tuple[tuple[int, int], ...]:
+        """(group, slot) of each model layer: which block table it reads, which array."""
+        where = {layer: (gi, slot) for gi, g in enumerate(self.groups) for slot, layer in enumerate(g.layers)}
+        return tuple(where[layer] for layer in range(self.num_layers))
 
     @property
     def quant(self) -> KVQuant | None:
@@ -86,9 +112,20 @@ class KVGeometry:
         return (self.num_kv_heads, quant.row_words), mx.uint32
 
     @property
-    def bytes_per_token(self) -> int:
+    def layer_bytes_per_token(self) -> int:
         (heads, width), dtype = self.row_shape
-        return 2 * self.num_layers * heads * width * dtype.size
+        return 2 * heads * width * dtype.size
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of one token slot of a block: every layer's where all layers are full."""
+        return self.block_layers * self.layer_bytes_per_token
+
+    @property
+    def model_bytes_per_token(self) -> int:
+        """Keys and values of one token in every layer (the rate as if every layer held
+        every token; window layers hold at most their ring)."""
+        return self.num_layers * self.layer_bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -99,6 +136,11 @@ class SharedPrefix:
     segment_id: int
     blocks: tuple[int, ...]
     tokens: int
+    # A model with window groups (`KVGeometry.groups`): for each of `blocks`, the window
+    # groups' blocks holding the same positions (a copy of the rings, which move on), or
+    # None; positions from `window_from` on are in them.
+    windows: tuple[tuple[int, ...] | None, ...] = ()
+    window_from: int = 0
 
 
 @dataclass(frozen=True)
@@ -120,8 +162,9 @@ class Segment:
         self.slots = num_blocks * block_size
         row, dtype = geo.row_shape
         shape = (num_blocks * block_size, *row)
-        self.keys: list[mx.array] = [mx.zeros(shape, dtype) for _ in range(geo.num_layers)]
-        self.values: list[mx.array] = [mx.zeros(shape, dtype) for _ in range(geo.num_layers)]
+        # one array per layer a block holds: a group's layer at slot s reads keys[s]
+        self.keys: list[mx.array] = [mx.zeros(shape, dtype) for _ in range(geo.block_layers)]
+        self.values: list[mx.array] = [mx.zeros(shape, dtype) for _ in range(geo.block_layers)]
         mx.eval(self.keys, self.values)
         self.nbytes = sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
 
@@ -135,14 +178,25 @@ class Allocation:
 
     request_id: str
     segment: Segment
-    table: list[int]  # block ids, shared prefix blocks first
+    table: list[int]  # block ids of the first layer group, shared prefix blocks first
     length: int = 0  # tokens written
     shared: int = 0  # leading blocks shared with the prefix cache
     table_array: mx.array | None = field(default=None, repr=False)
+    # The other layer groups' tables (`KVGeometry.groups`): a window group's is a ring.
+    rings: tuple[list[int], ...] = ()
+    blocks: int = 0  # blocks for every token of the reservation (a full group's table)
 
     @property
     def capacity(self) -> int:
-        return len(self.table)
+        """Blocks for every token the request may write: its tokens' room is this × block size."""
+        return self.blocks or len(self.table)
+
+    @property
+    def tables(self) -> tuple[list[int], ...]:
+        return (self.table, *self.rings)
+
+    def owned(self) -> list[int]:
+        return [b for t in self.tables for b in t]
 
 
 class KVStore:
@@ -155,9 +209,13 @@ class KVStore:
         key_bucket: int = 0,
         pair_flops: int = 0,
         plan_ms: float = 0.0,
+        chunk_tokens: int = 512,
     ) -> None:
         self.geometry = geometry
         self.block_size = block_size
+        # the most tokens one call writes for a request (a prefill chunk, a speculative
+        # verify): a window group's ring holds its window plus that many (`memory.paged`)
+        self.chunk_tokens = chunk_tokens
         # prefill keys padded to lengths from a small set, or exact (engine.kv.buckets)
         self.key_lengths = KeyLengths(key_bucket, pair_flops, plan_ms)
         # a prefill reads a request on one run of slots as a view of the pool; False: it
@@ -176,11 +234,22 @@ class KVStore:
 
     # ---- sizes -----------------------------------------------------------------------
     def blocks_for(self, tokens: int) -> int:
+        """Blocks of a full group's table for `tokens` tokens."""
         return -(-max(tokens, 1) // self.block_size)
+
+    def group_blocks(self, tokens: int) -> list[int]:
+        """Blocks a request of `tokens` holds in each layer group."""
+        return [group_blocks(g, tokens, self.block_size, self.chunk_tokens) for g in self.geometry.groups]
+
+    def request_blocks(self, tokens: int) -> int:
+        """Blocks a request of `tokens` holds in all its groups."""
+        if not self.geometry.windowed and len(self.geometry.groups) == 1:
+            return self.blocks_for(tokens)
+        return sum(self.group_blocks(tokens))
 
     def reservation_bytes(self, tokens: int) -> int:
         """What a request of `tokens` (prompt + max_tokens) reserves: whole blocks."""
-        return self.blocks_for(tokens) * self.block_bytes
+        return self.request_blocks(tokens) * self.block_bytes
 
     def rows_reservation_bytes(self, final_lens: Iterable[int]) -> int:
         """What requests of these final lengths reserve together: each its own blocks."""
@@ -189,7 +258,7 @@ class KVStore:
     def growth_bytes(self, tokens: int, shared: SharedPrefix | None = None, *, exact: bool = False) -> int:
         """Bytes the device must newly give for `reserve(tokens, shared, exact=exact)`:
         zero when a segment has the free blocks, else a new segment."""
-        need = self.blocks_for(tokens)
+        need = self.request_blocks(tokens)
         if shared is not None:
             seg = self.segments.get(shared.segment_id)
             if seg is not None and seg.blocks.free >= need - shared.tokens // self.block_size:
@@ -202,10 +271,12 @@ class KVStore:
     def reserve(
         self, request_id: str, tokens: int, shared: SharedPrefix | None = None, *, exact: bool = False
     ) -> Allocation:
-        """Give `request_id` room for `tokens` tokens, sharing `shared`'s blocks if it can."""
+        """Give `request_id` room for `tokens` tokens, sharing `shared`'s blocks if it can
+        (they are the first group's: a model with window groups shares none)."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id} already holds KV")
-        need = self.blocks_for(tokens)
+        per_group = self.group_blocks(tokens)
+        need, first = sum(per_group), per_group[0]
         alloc: Allocation | None = None
         if shared is not None and shared.blocks:
             seg = self.segments.get(shared.segment_id)
@@ -215,24 +286,38 @@ class KVStore:
             own = seg.blocks.allocate(need - full, after) if seg is not None else None
             if seg is not None and own is not None:
                 seg.blocks.share(list(shared.blocks[:full]))
-                alloc = Allocation(request_id, seg, [*shared.blocks[:full], *own], shared=full)
+                alloc = self._allocation(request_id, seg, [*shared.blocks[:full], *own], per_group)
+                alloc.shared = full
                 self._copy_prefix(shared, alloc, start=full * self.block_size)
         if alloc is None:
             seg = self._segment_with(need) or self._add_segment(self._new_segment_blocks(need, exact))
-            table = seg.blocks.allocate(need)
-            assert table is not None
-            alloc = Allocation(request_id, seg, table)
+            blocks = seg.blocks.allocate(need)
+            assert blocks is not None
+            alloc = self._allocation(request_id, seg, blocks, per_group)
             if shared is not None and shared.blocks:
                 self._copy_prefix(shared, alloc)
+        alloc.blocks = self.blocks_for(tokens)
+        assert len(alloc.table) == first
+        if shared is not None and shared.blocks and self.geometry.windowed:
+            self._copy_windows(shared, alloc)
         alloc.table_array = mx.array(alloc.table, dtype=mx.int32)
         self.requests[request_id] = alloc
         return alloc
+
+    @staticmethod
+    def _allocation(request_id: str, seg: Segment, blocks: list[int], per_group: list[int]) -> Allocation:
+        """Split a reservation's blocks into its groups' tables, in group order."""
+        tables, at = [], 0
+        for n in per_group:
+            tables.append(blocks[at : at + n])
+            at += n
+        return Allocation(request_id, seg, tables[0], rings=tuple(tables[1:]))
 
     def release(self, request_id: str) -> None:
         alloc = self.requests.pop(request_id, None)
         if alloc is None:
             return
-        alloc.segment.blocks.release(alloc.table)
+        alloc.segment.blocks.release(alloc.owned())
         self._drop_if_empty(alloc.segment)
 
     def get(self, request_id: str) -> Allocation:
@@ -246,25 +331,95 @@ class KVStore:
 
     # ---- the prefix cache's holds ----------------------------------------------------
     def hold_prefix(self, request_id: str, tokens: int) -> SharedPrefix | None:
-        """Take a reference on the blocks holding the request's first `tokens` tokens."""
+        """Take a reference on the blocks holding the request's first `tokens` tokens.
+
+        A model with window groups also gets a copy of what a request resuming at `tokens`
+        needs of its rings, the window's last positions, in new blocks of the same segment:
+        the rings move on as the request decodes. None if the segment has no room for it."""
         alloc = self.requests[request_id]
         tokens = min(tokens, alloc.length)
         if tokens <= 0:
             return None
         blocks = alloc.table[: self.blocks_for(tokens)]
+        windows: tuple[tuple[int, ...] | None, ...] = ()
+        window_from = 0
+        if self.geometry.windowed:
+            copied = self._snapshot_windows(alloc, tokens)
+            if copied is None:
+                return None
+            windows, window_from = copied
         alloc.segment.blocks.share(blocks)
-        return SharedPrefix(alloc.segment.id, tuple(blocks), tokens)
+        return SharedPrefix(alloc.segment.id, tuple(blocks), tokens, windows, window_from)
+
+    def _window_groups(self) -> list[tuple[int, PagedGroup]]:
+        return [(gi, g) for gi, g in enumerate(self.geometry.groups) if g.window is not None]
+
+    def window_span(self) -> int:
+        """Positions before a resume point that a window layer reads: the widest window - 1."""
+        return max((g.window or 1 for _, g in self._window_groups()), default=1) - 1
+
+    def _snapshot_windows(self, alloc: Allocation, tokens: int
+                          ) -> tuple[tuple[tuple[int, ...] | None, ...], int] | None:
+        """Copy positions [tokens - window + 1, tokens) of every window group's ring into new
+        blocks, one per group and block index, from a block earlier (a hit may end up to a
+        block short of `tokens`) where the ring still holds them."""
+        bs, groups = self.block_size, self._window_groups()
+        rings = [alloc.tables[gi] for gi, _ in groups]
+        held = min(len(r) for r in rings) * bs  # the ring's last positions up to alloc.length
+        start = max(0, tokens - self.window_span() - (bs - 1), alloc.length - held)
+        if start > max(0, tokens - self.window_span()):
+            return None  # the ring moved past what a hit at `tokens` needs
+        first, last = start // bs, self.blocks_for(tokens)
+        fresh = alloc.segment.blocks.allocate((last - first) * len(groups))
+        if fresh is None:
+            return None
+        per_block = [tuple(fresh[(i - first) * len(groups) : (i - first + 1) * len(groups)])
+                     for i in range(first, last)]
+        pos = np.arange(start, tokens)
+        dst_blocks = np.asarray(per_block, dtype=np.int64)[pos // bs - first]  # [P, groups]
+        seg = alloc.segment
+        for j, ((_, group), ring) in enumerate(zip(groups, rings, strict=True)):
+            src = mx.array(ring_slots(ring, bs, start, tokens).astype(np.int32))
+            dst = mx.array((dst_blocks[:, j] * bs + pos % bs).astype(np.int32))
+            for slot in range(len(group.layers)):
+                seg.keys[slot][dst] = seg.keys[slot][src]
+                seg.values[slot][dst] = seg.values[slot][src]
+        mx.eval(seg.arrays())
+        return (None,) * first + tuple(per_block), start
+
+    def _copy_windows(self, shared: SharedPrefix, alloc: Allocation) -> None:
+        """Fill the new request's rings with the window positions before `shared.tokens`,
+        from the snapshot blocks the prefix cache holds."""
+        bs, t = self.block_size, shared.tokens
+        start = max(0, t - self.window_span())
+        if start >= t:
+            return
+        pos = np.arange(start, t)
+        snapshot = shared.windows
+        needed = [snapshot[i] if i < len(snapshot) else None for i in range(start // bs, -(-t // bs))]
+        if start < shared.window_from or any(w is None for w in needed):
+            raise ValueError("a prefix hit on a model with window layers needs the window's snapshot")
+        src_blocks = np.asarray(needed, dtype=np.int64)
+        src_blocks = src_blocks[pos // bs - start // bs]
+        src_seg, dst_seg = self.segments[shared.segment_id], alloc.segment
+        for j, (gi, group) in enumerate(self._window_groups()):
+            src = mx.array((src_blocks[:, j] * bs + pos % bs).astype(np.int32))
+            dst = mx.array(ring_slots(alloc.tables[gi], bs, start, t).astype(np.int32))
+            for slot in range(len(group.layers)):
+                dst_seg.keys[slot][dst] = src_seg.keys[slot][src]
+                dst_seg.values[slot][dst] = src_seg.values[slot][src]
+        mx.eval(dst_seg.arrays())
 
     def drop_prefix(self, prefix: SharedPrefix) -> None:
         seg = self.segments.get(prefix.segment_id)
         if seg is None:
             return
-        seg.blocks.release(list(prefix.blocks))
+        seg.blocks.release([*prefix.blocks, *(b for w in prefix.windows if w for b in w)])
         self._drop_if_empty(seg)
 
     # ---- accounting ------------------------------------------------------------------
     def reserved_bytes(self) -> int:
-        return sum(a.capacity for a in self.requests.values()) * self.block_bytes
+        return sum(len(a.owned()) for a in self.requests.values()) * self.block_bytes
 
     def pool_bytes(self) -> int:
         return sum(s.nbytes for s in self.segments.values())
@@ -275,7 +430,7 @@ class KVStore:
         cache holds. With no request admitted it is zero."""
         per_seg: dict[int, set[int]] = {}
         for a in self.requests.values():
-            per_seg.setdefault(a.segment.id, set()).update(a.table)
+            per_seg.setdefault(a.segment.id, set()).update(a.owned())
         total = 0
         for seg_id, blocks in per_seg.items():
             seg = self.segments[seg_id]
@@ -324,7 +479,7 @@ class KVStore:
             rows = slice(blocks[0] * self.block_size, (blocks[0] + n) * self.block_size)
         else:
             rows = slots_of(alloc.table, self.block_size, start + tokens, start=start)
-        layers = self.geometry.num_layers
+        layers = self.geometry.block_layers
         for layer in range(layers):
             alloc.segment.keys[layer][rows] = kv[layer]
             alloc.segment.values[layer][rows] = kv[layers + layer]
@@ -351,20 +506,27 @@ class KVStore:
 
     def stats(self) -> KVStoreStats:
         reserved = self.reserved_bytes()
-        used = sum(a.length for a in self.requests.values()) * self.geometry.bytes_per_token
+        used = sum(self._written_slots(a) for a in self.requests.values()) * self.geometry.bytes_per_token
         pool = sum(s.nbytes for s in self.segments.values())
         return KVStoreStats(
             reserved_bytes=reserved,
             used_bytes=used,
             pool_bytes=pool,
             request_bytes=self.request_bytes(),
-            bytes_per_token=self.geometry.bytes_per_token,
+            bytes_per_token=self.geometry.model_bytes_per_token,
             block_size=self.block_size,
             segments=len(self.segments),
             requests=len(self.requests),
         )
 
     # ---- internals -------------------------------------------------------------------
+    def _written_slots(self, alloc: Allocation) -> int:
+        """Token slots of a block's width the request has written, over its groups (a ring
+        holds at most its own slots)."""
+        if len(self.geometry.groups) == 1 and not self.geometry.windowed:
+            return alloc.length
+        return sum(min(alloc.length, len(t) * self.block_size) for t in alloc.tables)
+
     def _segment_with(self, need: int) -> Segment | None:
         for seg in sorted(self.segments.values(), key=lambda s: s.id):
             if seg.blocks.free >= need:
@@ -394,10 +556,18 @@ class KVStore:
         src = slots_of(list(shared.blocks), self.block_size, shared.tokens, start=start)
         dst = slots_of(alloc.table, self.block_size, shared.tokens, start=start)
         dst_seg = alloc.segment
-        for layer in range(self.geometry.num_layers):
+        for layer in range(self.geometry.block_layers):
             dst_seg.keys[layer][dst] = src_seg.keys[layer][src]
             dst_seg.values[layer][dst] = src_seg.values[layer][src]
         mx.eval(dst_seg.arrays())
+
+
+def ring_slots(ring: Iterable[int], block_size: int, start: int, end: int) -> np.ndarray:
+    """Pool slots of positions [start, end) in a ring of blocks: position p lives in block
+    `ring[(p // block_size) % len(ring)]` (a full table is a ring that never wraps)."""
+    table = np.asarray(list(ring), dtype=np.int64)
+    pos = np.arange(start, end)
+    return table[(pos // block_size) % len(table)] * block_size + pos % block_size
 
 
 def slots_of(table: list[int], block_size: int, tokens: int, start: int = 0) -> mx.array:

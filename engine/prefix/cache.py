@@ -89,6 +89,10 @@ class _Node:
     block: int
     end: int  # tokens from the start of the chain through this block
     children: _Children = field(default_factory=lambda: _Children())
+    # A model with window layers: the window groups' blocks for this block's positions (a
+    # snapshot of the rings, `KVStore.hold_prefix`), valid from position `window_from` on.
+    windows: tuple[int, ...] | None = None
+    window_from: int = 0
 
     def chain(self) -> list[_Node]:
         """Root first."""
@@ -200,11 +204,16 @@ class PrefixCache:
         self.prefill_seconds: Callable[[int, int], float | None] = self._seconds_at_average_rate
         self._write_until = 0.0  # time.monotonic() past which evicted blocks are not written
         self.unwritten = 0  # full blocks evicted without being written, for want of time
+        # A model with window layers: positions before a hit that its window layers read.
+        # A hit may end only where snapshots of them are cached (`_window_end`).
+        geometry = getattr(store, "geometry", None)
+        self.window_span: int | None = store.window_span() if getattr(geometry, "windowed", False) else None
+        self._window_blocks = 0
 
     # ---- sizes -----------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        return len(self._lru) * self.store.block_bytes
+        return (len(self._lru) + self._window_blocks) * self.store.block_bytes
 
     @property
     def evictions(self) -> int:
@@ -265,9 +274,31 @@ class PrefixCache:
         if not chain and not disk:
             return None
         total = matched + best_n + len(disk) * bs
+        if self.window_span is not None:
+            total = self._window_end(chain, total)
+            if total <= 0:
+                return None
+            chain = chain[: -(-total // bs)]
+            prefix = SharedPrefix(chain[0].segment_id, tuple(n.block for n in chain), total,
+                                  tuple(n.windows for n in chain), max(n.window_from for n in chain))
+            return PrefixHit(chain[-1].key, total, prefix)
         prefix = SharedPrefix(chain[0].segment_id, tuple(n.block for n in chain), matched + best_n) \
             if chain else None
         return PrefixHit(chain[-1].key if chain else ROOT, total, prefix, disk)
+
+    def _window_end(self, chain: list[_Node], total: int) -> int:
+        """The furthest end, at most `total`, at which a request can resume on a model with
+        window layers: the nodes holding the `window_span` positions before it all carry
+        snapshots that reach back that far. 0: none."""
+        bs, span = self.block_size, self.window_span or 0
+        for i in range(len(chain) - 1, -1, -1):
+            end = min(chain[i].end, total)
+            start = max(0, end - span)
+            needed = chain[start // bs : i + 1]
+            if all(n.windows is not None and n.window_from <= max(start, n.end - len(n.tokens))
+                   for n in needed):
+                return end
+        return 0
 
     def _on_disk(self, query: tuple[int, ...], blocks: int,
                  memo: list[ChainKey]) -> tuple[tuple[ChainKey, ChainKey, tuple[int, ...]], ...]:
@@ -307,20 +338,26 @@ class PrefixCache:
         children = self._roots
         added: list[_Node] = []
         surplus: list[int] = []  # holds the cache already has
+        windows = prefix.windows
         for i, block in enumerate(prefix.blocks):
             piece = tokens[i * bs : (i + 1) * bs]
             key = chain_digest(parent.key if parent else ROOT, piece)
             node = children.get(key)
+            snapshot = windows[i] if i < len(windows) else None
             if node is not None and node.segment_id != seg and i < len(prefix.blocks) - 1:
                 # The chain goes on in the request's segment: move the node there, so that a
                 # hit on the whole chain lends blocks of one segment.
                 self._release(node)
                 node.segment_id, node.block = seg, block
+                node.windows = None  # a snapshot lives in its node's segment
                 self._hold(node)
+                self._adopt_windows(node, snapshot, prefix.window_from, surplus)
             elif node is not None:
                 surplus.append(block)
+                self._adopt_windows(node, snapshot, prefix.window_from, surplus)
             elif len(piece) < bs and children.starting_with(piece):
                 surplus.append(block)  # a cached block already holds these tokens
+                surplus.extend(b for w in windows[i:] if w for b in w)
                 break
             else:
                 for sibling in [c for c in children.prefixes_of(piece) if not len(c.children)]:
@@ -328,6 +365,7 @@ class PrefixCache:
                 node = _Node(key, parent, piece, seg, block, i * bs + len(piece))
                 children.add(node)
                 self._hold(node)
+                self._adopt_windows(node, snapshot, prefix.window_from, surplus)
                 added.append(node)
             parent, children = node, node.children
         if surplus:
@@ -337,6 +375,38 @@ class PrefixCache:
                 self._lru[node.key] = node
             self._touch(parent)
         self._enforce_cap()
+
+    def _adopt_windows(self, node: _Node, snapshot: tuple[int, ...] | None, window_from: int,
+                       surplus: list[int]) -> None:
+        """Give `node` the snapshot blocks, where they reach further back than its own (the
+        blocks not kept go to `surplus`, to be dropped)."""
+        if snapshot is None:
+            return
+        start = node.end - len(node.tokens)
+        if node.windows is not None and node.window_from <= max(window_from, start):
+            surplus.extend(snapshot)
+            return
+        if node.windows is not None:
+            self._release_windows(node)
+        node.windows, node.window_from = snapshot, window_from
+        held = self._by_segment.setdefault(node.segment_id, {})
+        for b in snapshot:
+            held[b] = held.get(b, 0) + 1
+        self._window_blocks += len(snapshot)
+
+    def _release_windows(self, node: _Node) -> None:
+        if node.windows is None:
+            return
+        held = self._by_segment[node.segment_id]
+        for b in node.windows:
+            held[b] -= 1
+            if not held[b]:
+                del held[b]
+        if not held:
+            del self._by_segment[node.segment_id]
+        self.store.drop_prefix(SharedPrefix(node.segment_id, node.windows, 0))
+        self._window_blocks -= len(node.windows)
+        node.windows = None
 
     # ---- eviction --------------------------------------------------------------------
     def evictable_bytes(self, protect: frozenset[ChainKey] = frozenset()) -> int:
@@ -506,6 +576,7 @@ class PrefixCache:
         held[node.block] = held.get(node.block, 0) + 1
 
     def _release(self, node: _Node) -> None:
+        self._release_windows(node)
         held = self._by_segment[node.segment_id]
         held[node.block] -= 1
         if not held[node.block]:

@@ -1,0 +1,183 @@
+"""Sliding-window layers in the paged store: rings of blocks, bands of keys, snapshots.
+
+A model of full and window layers is held in layer groups (`memory.paged`): full groups a
+block per 16 tokens, window groups a ring sized to the window plus the largest chunk. These
+tests check attention itself on random K/V (a band off by one is invisible in a tiny
+model's logits), what a long request reserves against what load admission computes, and
+that a prefix hit resumes from a snapshot of the rings with output identical to mlx-lm's.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+from engine import EngineRequest, LoadedModel, SamplingParams, load_model
+from engine.kv import KVGeometry, KVStore, decode_caches, plan_decode, prefill_caches
+from engine.kv.attention import decode_attention
+from memory import MemoryGuard
+from memory.paged import group_layers, ring_blocks
+from memory.probes.allocator import AllocatorProbe
+from memory.walk import EngineParams, walk_single_request
+from tests.engine import window_model
+from tests.engine.conftest import Harness
+
+STEP = 32  # prefill chunk
+
+
+def _reference(k: np.ndarray, v: np.ndarray, q: np.ndarray, pos: int, window: int,
+               scale: float) -> np.ndarray:
+    """Attention of one query at `pos` over keys (pos - window, pos]: [H, D] per kv head."""
+    lo = max(0, pos - window + 1)
+    scores = np.einsum("hd,thd->ht", q, k[lo : pos + 1]) * scale
+    weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+    weights /= weights.sum(axis=1, keepdims=True)
+    return np.einsum("ht,thd->hd", weights, v[lo : pos + 1])
+
+
+def test_group_layers_puts_full_layers_in_one_group_and_windows_in_groups_of_its_size() -> None:
+    groups = group_layers([8, 8, None, 8, 8, None, 8, 8, 8, 4])
+    assert [(g.layers, g.window) for g in groups] == [
+        ((2, 5), None), ((9,), 4), ((0, 1), 8), ((3, 4), 8), ((6, 7), 8), ((8,), 8),
+    ]
+    assert ring_blocks(64, 32, 16) == 6  # 63 + 32 positions in distinct slots
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_window_layers_attend_their_band_through_a_wrapped_ring(kv_bits: int | None) -> None:
+    """Random K/V for 300 positions written through prefill chunks and decode steps into
+    rings of 64 slots: every prefill query and every decode row sees exactly its window."""
+    window, chunk, heads, dim = 40, 24, 2, 32
+    geometry = KVGeometry(3, heads, dim, mx.float32, kv_bits=kv_bits, kv_group_size=32,
+                          windows=(window, None, window))
+    store = KVStore(geometry, segment_tokens=4096, chunk_tokens=chunk)
+    total = 300
+    alloc = store.reserve("r", total)
+    ring = ring_blocks(window, chunk, 16)  # 4 blocks: 64 slots for 63 positions
+    assert [len(t) for t in alloc.tables] == [total // 16 + 1, ring, ring]  # a group per window layer
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((total, heads, dim)).astype(np.float32)
+    v = rng.standard_normal((total, heads, dim)).astype(np.float32)
+    seen_k, seen_v = k, v  # what the store reads back
+    if kv_bits is not None:
+        quant = geometry.quant
+        seen_k = np.array(quant.decode(quant.encode(mx.array(k))))
+        seen_v = np.array(quant.decode(quant.encode(mx.array(v))))
+    scale = dim ** -0.5
+    tol = dict(rtol=1e-4, atol=1e-4)
+    pos = 0
+    for size in (20, 24, 7, 24, 24, 1, 24, 24):  # prefill chunks past the ring's length
+        caches = prefill_caches(store, alloc, size)
+        window_cache = caches[0]
+        keys, values = window_cache.update_and_fetch(
+            mx.array(k[pos : pos + size].transpose(1, 0, 2))[None],
+            mx.array(v[pos : pos + size].transpose(1, 0, 2))[None])
+        q = rng.standard_normal((1, heads, size, dim)).astype(np.float32)
+        mask = window_cache.make_mask(size, window_size=window)
+        out = np.array(mx.fast.scaled_dot_product_attention(mx.array(q), keys, values, scale=scale,
+                                                            mask=mask))
+        for t in range(size):
+            want = _reference(seen_k, seen_v, q[0, :, t], pos + t, window, scale)
+            np.testing.assert_allclose(out[0, :, t], want, **tol)
+        store.advance("r", size)
+        pos += size
+    while pos < total:  # decode steps, the ring wrapping every 64 positions
+        plan = plan_decode(store, [alloc])
+        cache = decode_caches(plan, geometry.num_layers)[0]  # the layer the chunks wrote
+        cache.update_and_fetch(mx.array(k[pos])[None, :, None], mx.array(v[pos])[None, :, None])
+        q = rng.standard_normal((1, heads, 1, dim)).astype(np.float32)
+        out = np.array(decode_attention(mx.array(q), cache, scale))
+        want = _reference(seen_k, seen_v, q[0, :, 0], pos, window, scale)
+        np.testing.assert_allclose(out[0, :, 0], want, **tol)
+        store.advance("r", 1)
+        pos += 1
+
+
+@pytest.fixture(scope="module")
+def window_loaded(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    path = window_model.save_window_model(tmp_path_factory.mktemp("models") / "window", tiny_model_path)
+    return load_model(str(path))
+
+
+def test_a_long_request_reserves_rings_on_window_layers_as_load_admission_computes(
+    make_engine: Callable[..., Harness], window_loaded: LoadedModel
+) -> None:
+    prompt_tokens, new_tokens = 1500, 8
+    total = prompt_tokens + new_tokens
+    h = make_engine(guard=MemoryGuard(AllocatorProbe()), loaded=window_loaded, prefill_step_size=STEP,
+                    prefix_cache_bytes=0)
+    store = h.core.store
+    assert isinstance(store, KVStore) and store.geometry.windowed
+    per_layer = window_model.BYTES_PER_TOKEN_LAYER
+    full_blocks = -(-total // 16)
+    ring = ring_blocks(window_model.WINDOW, STEP, 16)
+    groups = len(store.geometry.groups)  # 1 full group of 2 layers, 2 window groups of 2
+    assert groups == 3 and store.geometry.block_layers == window_model.FULL_LAYERS
+    expected = (full_blocks + (groups - 1) * ring) * 16 * window_model.FULL_LAYERS * per_layer
+    assert expected < window_model.all_full_kv_bytes(total) / 2
+
+    walk = walk_single_request(
+        window_loaded.geometry, prompt_tokens=prompt_tokens, max_tokens=new_tokens,
+        usage_bytes=0, ceiling_bytes=1 << 40, params=EngineParams(chunk_tokens=STEP),
+    )
+    assert walk.admitted and walk.reserved_bytes == expected
+
+    prompt = tuple(random.Random(5).randrange(256) for _ in range(prompt_tokens))
+    h.submit(EngineRequest("long", prompt, new_tokens, SamplingParams(temperature=0.0)))
+    seen = 0
+    while "long" not in h.out.finished:
+        h.step()
+        if store.requests:
+            seen += 1
+            assert store.reserved_bytes() == h.core.admission.reservation_bytes(
+                [*h.core.prefilling, *h.core.batch.seqs]) == expected
+            assert h.core.stats.kv_reserved_bytes == expected
+            assert store.pool_bytes() == walk.kv_bytes  # one default-size segment
+    assert seen >= prompt_tokens // STEP
+    assert store.requests == {} and store.request_bytes() == 0
+    reference = [int(t) for t, _ in generate_step(mx.array(prompt), window_loaded.model,
+                                                     max_tokens=new_tokens, prefill_step_size=STEP)]
+    assert h.out.tokens["long"] == reference
+
+
+def test_a_prefix_hit_resumes_from_the_rings_snapshot_and_prefills_only_the_rest(
+    make_engine: Callable[..., Harness], window_loaded: LoadedModel
+) -> None:
+    """The second turn of a conversation (the first turn's prompt and answer, then 50 new
+    tokens) resumes where the first ended: its window layers from the snapshot taken then.
+    A prompt sharing only the first turn's opening finds no snapshot there, and prefills."""
+    h = make_engine(loaded=window_loaded, prefill_step_size=STEP, prefix_cache_bytes=1 << 26)
+    rng = random.Random(9)
+    first = tuple(rng.randrange(256) for _ in range(300))
+
+    def reference(prompt: tuple[int, ...], n: int) -> list[int]:
+        steps = generate_step(mx.array(prompt), window_loaded.model, max_tokens=n, prefill_step_size=STEP)
+        return [int(t) for t, _ in steps]
+
+    def run(rid: str, prompt: tuple[int, ...], n: int) -> tuple[list[int], int]:
+        before = h.core._counters["prompt_tokens"]
+        h.submit(EngineRequest(rid, prompt, n, SamplingParams(temperature=0.0)))
+        h.run_until(lambda: rid in h.out.finished, max_steps=500)
+        return h.out.tokens[rid], h.core._counters["prompt_tokens"] - before
+
+    answer, prefilled = run("turn1", first, 12)
+    assert answer == reference(first, 12) and prefilled == len(first) - 1  # the last is decode's input
+    second = (*first, *answer, *(rng.randrange(256) for _ in range(50)))
+    tokens, prefilled = run("turn2", second, 10)
+    assert tokens == reference(second, 10)
+    cached = h.out.cached["turn2"]  # the whole first turn, up to its last token's KV
+    assert len(first) + len(answer) - 1 <= cached <= len(first) + len(answer)
+    assert prefilled == len(second) - 1 - cached
+    stats = h.core.prefix_cache.stats()
+    assert stats.hits >= 1 and stats.bytes > 0
+
+    opening = (*first[:100], *(rng.randrange(256) for _ in range(40)))
+    tokens, prefilled = run("other", opening, 6)
+    assert tokens == reference(opening, 6)
+    assert h.out.cached["other"] == 0 and prefilled == len(opening) - 1
