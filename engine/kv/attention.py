@@ -27,7 +27,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.kv.cache import DecodeCache, DecodeGroup, run_view
-from engine.kv.cuda_decode import paged_decode, partition_split
+from engine.kv.cuda_decode import decode_span, paged_decode, partition_split
 from engine.kv.quant import KVQuant
 
 _ORIGINAL: Callable[..., mx.array] | None = None  # mlx-lm's, looked up by `_original`
@@ -80,10 +80,10 @@ def _attend_group(q: mx.array, g: DecodeGroup, slot: int, scale: float, block_si
     if g.run_start is not None:
         return run_decode(q, keys, values, g.run_start, g.max_length, scale, quant, sinks)
     if g.kernel is None:  # decided once per step: every layer has the same shapes
-        g.kernel = g.ring is None and sinks is None and \
-            _takes_kernel(q.shape[1], q.shape[-1], keys.shape[1], quant is not None)
+        g.kernel = _takes_kernel(q.shape[1], q.shape[-1], keys.shape[1], quant is not None)
     if g.kernel:
-        return paged_decode(q, keys, values, g.table, g.lengths, g.max_length, scale, block_size)
+        return paged_decode(q, keys, values, g.table, g.lengths, g.max_length, scale, block_size,
+                            window=g.window, ring=g.ring_blocks, sinks=sinks)
     return plain_decode(q, keys, values, g, scale, block_size, quant, sinks)
 
 
@@ -99,7 +99,7 @@ def decode_graph_key(g: DecodeGroup, q_heads: int, head_dim: int, kv_heads: int,
     (`engine.compiled_decode`) may replay it. Each path's use of `max_length` goes through
     the same function here as in the path itself."""
     if _takes_kernel(q_heads, head_dim, kv_heads, quantized):
-        return (1, *partition_split(g.write.shape[0], kv_heads, g.max_length))
+        return (1, *partition_split(g.write.shape[0], kv_heads, decode_span(g)))
     return (0, g.plain_blocks(block_size))
 
 

@@ -219,7 +219,8 @@ class DecodeGroup:
     run_start: int | None = None
     # A window group (`memory.paged`): the keys a row attends, and each row's ring in slots.
     window: int | None = None
-    ring: mx.array | None = None  # [Bg] int32
+    ring: mx.array | None = None  # [Bg] int32, in slots
+    ring_blocks: mx.array | None = None  # the same in blocks (the CUDA kernel's)
 
     def plain_blocks(self, block_size: int) -> int:
         """Blocks the plain path gathers per row: its graph's only use of the length."""
@@ -335,6 +336,7 @@ class DecodeTables:
                 table=t.table_array, lengths=lengths, max_length=max_length,
                 run_start=None if t.run_block is None or not self.runs else t.run_block * bs,
                 window=window, ring=None if t.ring0 is None else device_vector(t.ring0 * bs),
+                ring_blocks=None if t.ring0 is None else device_vector(t.ring0),
             ))
             for gi, ((table, table_array, caps), w) in enumerate(zip(t.more, windows, strict=True)):
                 write = table[index, pos // bs] * bs + within if caps is None else \
@@ -343,6 +345,7 @@ class DecodeTables:
                     segment=segment, rows=t.rows_array, write=device_vector(write), table=table_array,
                     lengths=lengths, max_length=max_length, window=w,
                     ring=None if caps is None else device_vector(caps * bs),
+                    ring_blocks=None if caps is None else device_vector(caps),
                 ))
         slots = geo.layer_slots if len(geo.groups) > 1 else ()
         return DecodePlan(groups, device_vector(positions), self._order, bs, geo.quant, tuple(more), slots)

@@ -170,10 +170,34 @@ _MERGE_SOURCE = r"""
     y[(size_t)row * D + d] = static_cast<T>(ll > 0.f ? a / ll : 0.f);
 """
 
+# Window layers (`memory.paged`): a row attends positions [first, length) of a ring of
+# `ring` blocks, position j in block table[(j / BS) % ring]. Partitions start at `first`
+# rounded down to a warp step; positions before it score -inf, as those past the end do.
+_RING_SOURCE = (
+    _SOURCE
+    .replace("const int len = lengths[b];",
+             "const int len = lengths[b];\n    const int lo = first[b];\n    const int rb = ring[b];")
+    .replace("const int start = p * PART;", "const int start = (lo / U) * U + p * PART;")
+    .replace("const int blk = table[b * nb + j0 / BS];", "const int blk = table[b * nb + (j0 / BS) % rb];")
+    .replace("const bool live = j0 + u < end;", "const bool live = j0 + u < end && j0 + u >= lo;")
+    .replace("s[u] = j0 + u < end ? x : NEG_INF;", "s[u] = (j0 + u < end && j0 + u >= lo) ? x : NEG_INF;")
+)
+
+# gpt-oss's sinks: one logit per query head that joins each row's softmax with no value.
+_SINKS_MERGE_SOURCE = (
+    _MERGE_SOURCE
+    .replace("    float ll = 0.f;\n    float a = 0.f;\n    if (mm > NEG_INF) {",
+             "    const float sk = sinks[row % HQ];\n    const float top = fmaxf(mm, sk);\n"
+             "    float ll = __expf(sk - top);\n    float a = 0.f;\n    if (mm > NEG_INF) {")
+    .replace("const float w = __expf(mr[p] - mm);", "const float w = __expf(mr[p] - top);")
+)
+
 _HEADER = "#define NEG_INF (-__int_as_float(0x7f800000))\n"
 
 _kernel: Any = None
 _merge_kernel: Any = None
+_ring_kernel: Any = None
+_sinks_merge_kernel: Any = None
 _scales: dict[float, mx.array] = {}
 _F32X3 = [mx.float32, mx.float32, mx.float32]
 
@@ -195,6 +219,32 @@ def _get_kernel() -> Any:
     if _kernel is None:
         _kernel = build_kernel()
     return _kernel
+
+
+def _get_ring_kernel() -> Any:
+    global _ring_kernel
+    if _ring_kernel is None:
+        _ring_kernel = mx.fast.cuda_kernel(
+            name="headroom_paged_decode_ring",
+            input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale", "part", "first", "ring"],
+            output_names=["out", "out_m", "out_l"],
+            source=_RING_SOURCE,
+            header=_HEADER,
+        )
+    return _ring_kernel
+
+
+def _get_sinks_merge_kernel() -> Any:
+    global _sinks_merge_kernel
+    if _sinks_merge_kernel is None:
+        _sinks_merge_kernel = mx.fast.cuda_kernel(
+            name="headroom_paged_decode_merge_sinks",
+            input_names=["part_out", "m", "l", "sinks"],
+            output_names=["y"],
+            source=_SINKS_MERGE_SOURCE,
+            header=_HEADER,
+        )
+    return _sinks_merge_kernel
 
 
 def build_merge_kernel(name: str = "headroom_paged_decode_merge", source: str = _MERGE_SOURCE) -> Any:
@@ -229,6 +279,17 @@ def partition_split(batch: int, kv_heads: int, max_length: int) -> tuple[int, in
     graph, depends on of the context length (`engine.kv.attention.decode_graph_key`)."""
     part = partition_tokens(batch, kv_heads, max_length)
     return part, -(-max_length // part)
+
+
+def window_span(max_length: int, window: int | None) -> int:
+    """Positions the kernel's partitions cover: a window row's from its first attended
+    position rounded down to a warp step, so at most window + UNROLL - 1."""
+    return max_length if window is None else min(max_length, window + UNROLL)
+
+
+def decode_span(g: Any) -> int:
+    """A decode group's span (`engine.kv.cache.DecodeGroup`), as `paged_decode` computes it."""
+    return window_span(g.max_length, g.window if g.ring is not None else None)
 
 
 @dataclass(frozen=True)
@@ -267,33 +328,56 @@ def paged_decode(
     max_length: int,
     scale: float,
     block_size: int,
+    *,
+    window: int | None = None,
+    ring: mx.array | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
-    """q [B, Hq, 1, D]; pools [slots, H, D]; table [B, NB] int32; lengths [B] int32."""
+    """q [B, Hq, 1, D]; pools [slots, H, D]; table [B, NB] int32; lengths [B] int32. A
+    window layer's rows attend their last `window` positions through rings of `ring` [B]
+    blocks; `sinks` [Hq] joins each query head's softmax (gpt-oss)."""
     b, hq, _, d = q.shape
     h = k_pool.shape[1]
-    launch = _launch(b, hq, h, d, *partition_split(b, h, max_length), q.dtype, block_size, UNROLL)
+    first = None
+    if ring is not None:
+        assert window is not None
+        first = mx.maximum(lengths - window, 0)
+    span = window_span(max_length, window if ring is not None else None)
+    launch = _launch(b, hq, h, d, *partition_split(b, h, span), q.dtype, block_size, UNROLL)
     sc = _scales.get(scale)
     if sc is None:
         sc = _scales[scale] = device_vector([scale], mx.float32)
-    out, m, l_sum = _get_kernel()(
-        inputs=[q, k_pool, v_pool, table, lengths, sc, launch.part],
+    inputs = [q, k_pool, v_pool, table, lengths, sc, launch.part]
+    kernel = _get_kernel()
+    if ring is not None:
+        kernel = _get_ring_kernel()
+        inputs += [first, ring]
+    out, m, l_sum = kernel(
+        inputs=inputs,
         template=launch.template,
         grid=launch.grid,
         threadgroup=(32 * WARPS, 1, 1),
         output_shapes=launch.output_shapes,
         output_dtypes=_F32X3,
     )
-    return merge_partitions(out, m, l_sum, q.dtype)
+    return merge_partitions(out, m, l_sum, q.dtype, sinks)
 
 
-def merge_partitions(out: mx.array, m: mx.array, l_sum: mx.array, dtype: mx.Dtype) -> mx.array:
+def merge_partitions(out: mx.array, m: mx.array, l_sum: mx.array, dtype: mx.Dtype,
+                     sinks: mx.array | None = None) -> mx.array:
     """[B, Hq, P, D] partial sums with their maxima and normalisers -> [B, Hq, 1, D] in
-    `dtype`, in one launch."""
+    `dtype`, in one launch; with `sinks` [Hq], each head's sink logit in the softmax."""
     b, hq, _, d = out.shape
     template, grid, shapes, dtypes = _merge_launch(b, hq, d, dtype)
-    (y,) = _get_merge_kernel()(
-        inputs=[out, m, l_sum], template=template, grid=grid, threadgroup=(d, 1, 1),
-        output_shapes=shapes, output_dtypes=dtypes,
+    if sinks is None:
+        (y,) = _get_merge_kernel()(
+            inputs=[out, m, l_sum], template=template, grid=grid, threadgroup=(d, 1, 1),
+            output_shapes=shapes, output_dtypes=dtypes,
+        )
+        return y
+    (y,) = _get_sinks_merge_kernel()(
+        inputs=[out, m, l_sum, sinks.astype(mx.float32)], template=[*template, ("HQ", hq)], grid=grid,
+        threadgroup=(d, 1, 1), output_shapes=shapes, output_dtypes=dtypes,
     )
     return y
 

@@ -63,12 +63,12 @@ def test_greedy_output_equals_mlx_lm_alone_and_batched(
         for i, (p, (_, n)) in enumerate(zip(prompts, SHAPES, strict=True))
     ]
 
-    alone = make_engine(loaded=loaded, prefill_step_size=STEP, prefix_cache_bytes=0)
+    alone = make_engine(loaded=loaded, paged_windows=False, prefill_step_size=STEP, prefix_cache_bytes=0)
     assert isinstance(alone.core.store, DenseStore)
     _run(alone, requests[:1])
     assert alone.out.tokens["r0"] == expected[0]
 
-    together = make_engine(loaded=loaded, prefill_step_size=STEP, prefix_cache_bytes=0)
+    together = make_engine(loaded=loaded, paged_windows=False, prefill_step_size=STEP, prefix_cache_bytes=0)
     _run(together, requests)
     assert [together.out.tokens[r.request_id] for r in requests] == expected
     assert together.core.batch.max_batch_seen >= 3
@@ -112,7 +112,7 @@ def test_a_long_request_holds_window_sized_kv_on_sliding_layers(
     assert kinds == {"window": 2, "full": 2}
     per_layer = layout.layers[0].bytes_per_token
     prompt_tokens, new_tokens = 300, 8
-    h = make_engine(loaded=loaded, prefill_step_size=STEP, prefix_cache_bytes=0)
+    h = make_engine(loaded=loaded, paged_windows=False, prefill_step_size=STEP, prefix_cache_bytes=0)
     store = h.core.store
     assert isinstance(store, DenseStore)
     # reserved: full layers every token (and up to one 256-token step more: a row merged
@@ -147,7 +147,7 @@ def test_prompt_logprobs_on_the_dense_path_equal_mlx_lms_forward(
     prompt = tuple(_prompts(seed=4)[2][:70])
     logits = loaded.model(mx.array(prompt)[None])[0]
     reference = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-    h = make_engine(loaded=loaded, prefill_step_size=STEP, prefix_cache_bytes=0)
+    h = make_engine(loaded=loaded, paged_windows=False, prefill_step_size=STEP, prefix_cache_bytes=0)
     scores: list[object] = []
     publish = h.core.publish
 
@@ -226,7 +226,7 @@ def test_rows_that_join_together_are_merged_into_the_batch_at_once(
     layers = len(loaded.model.layers)
     prompts = [[(7 * i + j) % tiny_archs.VOCAB for j in range(6)] for i in range(5)]
     expected = [_reference(loaded.model, p, 6) for p in prompts]
-    h = make_engine(loaded=loaded, prefill_step_size=STEP, prefix_cache_bytes=0)
+    h = make_engine(loaded=loaded, paged_windows=False, prefill_step_size=STEP, prefix_cache_bytes=0)
     for i, p in enumerate(prompts[:4]):  # four 6-token prompts fit one step (32 tokens): they join together
         h.submit(EngineRequest(f"r{i}", tuple(p), 6, SamplingParams(temperature=0.0)))
     h.run_until(lambda: len(h.core.batch) == 4)

@@ -59,26 +59,29 @@ def nvrtc_paths() -> tuple[Path, Path] | None:
 
 def paged_kernel_source(source: str, dtype: str, *, head_dim: int = 128, kv_heads: int = 8, rep: int = 4,
                         block_size: int = 16, unroll: int = cuda_decode.UNROLL,
-                        warps: int = cuda_decode.WARPS) -> str:
-    """`source` (the body `cuda_decode` hands MLX) wrapped as MLX wraps it."""
+                        warps: int = cuda_decode.WARPS, ring: bool = False) -> str:
+    """`source` (the body `cuda_decode` hands MLX) wrapped as MLX wraps it; `ring`: with the
+    window variant's two inputs."""
     t = CUDA_TYPES[dtype]
+    extra = "const int* first, const int* ring, " if ring else ""
     signature = (f"__global__ void paged(const {t}* q, const {t}* k_pool, const {t}* v_pool, "
                  "const int* table, const __grid_constant__ Shape table_shape, const int* lengths, "
-                 "const float* scale, const int* part, float* out, float* out_m, float* out_l) {\n")
+                 f"const float* scale, const int* part, {extra}float* out, float* out_m, float* out_l) {{\n")
     consts = {"D": head_dim, "H": kv_heads, "REP": rep, "BS": block_size, "WARPS": warps,
               "U": unroll}
     body = f"  using T = {t};\n" + "".join(f"  constexpr int {k} = {v};\n" for k, v in consts.items())
     return PRELUDE + cuda_decode._HEADER + signature + body + source + "\n}\n"
 
 
-def merge_kernel_source(dtype: str, head_dim: int = 128) -> str:
-    """The partitions' merge wrapped as MLX wraps it."""
+def merge_kernel_source(dtype: str, head_dim: int = 128, *, sinks: bool = False) -> str:
+    """The partitions' merge wrapped as MLX wraps it; `sinks`: the variant with sink logits."""
     t = CUDA_TYPES[dtype]
+    extra = "const float* sinks, " if sinks else ""
     signature = ("__global__ void merge(const float* part_out, const float* m, "
-                 f"const __grid_constant__ Shape m_shape, const float* l, {t}* y) {{\n")
-    consts = f"  constexpr int D = {head_dim};\n"
-    return PRELUDE + cuda_decode._HEADER + signature + f"  using T = {t};\n" + consts + \
-        cuda_decode._MERGE_SOURCE + "\n}\n"
+                 f"const __grid_constant__ Shape m_shape, const float* l, {extra}{t}* y) {{\n")
+    consts = f"  constexpr int D = {head_dim};\n" + ("  constexpr int HQ = 32;\n" if sinks else "")
+    source = cuda_decode._SINKS_MERGE_SOURCE if sinks else cuda_decode._MERGE_SOURCE
+    return PRELUDE + cuda_decode._HEADER + signature + f"  using T = {t};\n" + consts + source + "\n}\n"
 
 
 class Nvrtc:
@@ -126,8 +129,19 @@ def test_the_engine_paged_kernel_compiles_without_spills(nvrtc: Nvrtc, dtype: st
 
 
 @pytest.mark.parametrize("dtype", sorted(CUDA_TYPES))
-def test_the_engine_merge_kernel_compiles(nvrtc: Nvrtc, dtype: str) -> None:
-    result = nvrtc.compile(merge_kernel_source(dtype))
+def test_the_window_layers_ring_kernel_compiles_without_spills(nvrtc: Nvrtc, dtype: str) -> None:
+    assert cuda_decode._RING_SOURCE.count("% rb") == 1 and cuda_decode._RING_SOURCE.count(">= lo") == 2
+    result = nvrtc.compile(paged_kernel_source(cuda_decode._RING_SOURCE, dtype, ring=True))
+    assert result.ok, result.log
+    assert result.spill_bytes == 0 and result.registers is not None and result.registers <= 255
+
+
+@pytest.mark.parametrize("dtype", sorted(CUDA_TYPES))
+@pytest.mark.parametrize("sinks", [False, True])
+def test_the_engine_merge_kernel_compiles(nvrtc: Nvrtc, dtype: str, sinks: bool) -> None:
+    if sinks:
+        assert cuda_decode._SINKS_MERGE_SOURCE.count("top") == 3
+    result = nvrtc.compile(merge_kernel_source(dtype, sinks=sinks))
     assert result.ok, result.log
 
 

@@ -185,8 +185,8 @@ def test_a_model_served_through_mlx_lms_caches_shares_the_step_alike(make_engine
     loaded = LoadedModel(model=model, tokenizer=None, model_id="gemma3_text", path="",
                          geometry=geometry_for(model, layout), backend="cpu",
                          context_length=4096, weight_bytes=0, layout=layout)
-    h = make_engine(loaded=loaded, prefill_step_size=256, max_decode_stall_s=TINY_TARGET_S,
-                    prefix_cache_bytes=0)
+    h = make_engine(loaded=loaded, paged_windows=False, prefill_step_size=256,
+                    max_decode_stall_s=TINY_TARGET_S, prefix_cache_bytes=0)
     assert isinstance(h.core.store, DenseStore)
     h.submit(_request("stream", 20, max_tokens=200))
     h.run_until(lambda: len(h.core.batch) == 1)

@@ -1,6 +1,7 @@
-"""A sliding-window model's memory: the bytes admission reserves for a long request, and
-the bytes load admission counts for it, are what its caches hold (window layers at their
-window), checked against the caches' own arrays step by step on a real engine."""
+"""A sliding-window model's memory on mlx-lm's own caches (`--no-paged-windows`): the bytes
+admission reserves for a long request, and the bytes load admission counts for it, are what
+its caches hold (window layers at their window), checked against the caches' own arrays step
+by step on a real engine. The paged store's rings: tests/engine/test_window_store.py."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def test_a_long_request_is_reserved_and_load_admitted_at_what_its_caches_hold(
     prompt_tokens, new_tokens = 1500, 8  # 23 windows of prompt, in 47 chunks
     total = prompt_tokens + new_tokens
     guard = MemoryGuard(AllocatorProbe())
-    h = make_engine(guard=guard, loaded=window_loaded, prefill_step_size=STEP, prefix_cache_bytes=0)
+    h = make_engine(guard=guard, loaded=window_loaded, paged_windows=False, prefill_step_size=STEP,
+                    prefix_cache_bytes=0)
     store = h.core.store
     assert isinstance(store, DenseStore)
     reserved = window_model.reserved_kv_bytes(total, STEP)
@@ -45,7 +47,7 @@ def test_a_long_request_is_reserved_and_load_admitted_at_what_its_caches_hold(
     # weights load) holds the request at the same bytes as the engine's store
     walk = walk_single_request(
         window_loaded.geometry, prompt_tokens=prompt_tokens, max_tokens=new_tokens,
-        usage_bytes=0, ceiling_bytes=1 << 40, params=EngineParams(chunk_tokens=STEP),
+        usage_bytes=0, ceiling_bytes=1 << 40, params=EngineParams(chunk_tokens=STEP, paged_windows=False),
     )
     assert walk.admitted and walk.reserved_bytes == walk.kv_bytes == reserved
 
@@ -87,7 +89,7 @@ def test_rows_of_unequal_lengths_are_reserved_with_the_padding_of_their_merged_b
     """A short request decoding beside a long one is left-padded to the long one's length
     on the full layers of the merged batch: what the two hold together is more than their
     own reservations, and admission counts it."""
-    h = make_engine(loaded=window_loaded, prefill_step_size=STEP, prefix_cache_bytes=0)
+    h = make_engine(loaded=window_loaded, paged_windows=False, prefill_step_size=STEP, prefix_cache_bytes=0)
     store = h.core.store
     assert isinstance(store, DenseStore)
     rng = random.Random(1)
