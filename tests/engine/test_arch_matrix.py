@@ -35,6 +35,14 @@ EXPECTED_FAIL: dict[str, str] = {
     "muse_spark": "its norms, rotary and expert routing run Metal kernels (mlx_lm.kernels)",
 }
 
+# Types with sliding-window layers that the paged store holds in layer groups, window layers
+# as rings (memory.paged; docs/cache-kinds.md lists every type's path).
+PAGED_WINDOWS = {
+    "afmoe", "cohere2", "exaone4", "exaone_moe", "gemma3", "gemma3_text", "gpt_oss", "laguna",
+    "llama", "mellum", "mimo_v2_flash", "ministral3", "muse_glimmer", "olmo3", "plamo3",
+    "spark2_5",
+}
+
 # Types whose mlx-lm forward fails on its own (nothing to compare against): the test checks
 # that generate_step still fails, so that a fixed mlx-lm puts the type back in the matrix.
 MLX_LM_FAILS: dict[str, str] = {
@@ -93,6 +101,8 @@ def test_greedy_output_equals_mlx_lm(model_type: str, make_engine: Callable[...,
         for i, (p, (_, n)) in enumerate(zip(prompts, shapes, strict=True))
     ]
     h = make_engine(loaded=loaded, prefill_step_size=STEP, prefix_cache_bytes=1 << 24)
+    windowed = bool(getattr(getattr(h.core.store, "geometry", None), "windowed", False))
+    assert windowed == (model_type in PAGED_WINDOWS), "the path docs/cache-kinds.md lists"
 
     def run(batch: list[EngineRequest]) -> list[list[int]]:
         for r in batch:

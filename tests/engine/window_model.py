@@ -53,6 +53,16 @@ def reserved_kv_bytes(tokens: int, chunk: int) -> int:
     return (FULL_LAYERS * full + WINDOW_LAYERS * window) * BYTES_PER_TOKEN_LAYER
 
 
+def paged_reserved_kv_bytes(tokens: int, chunk: int, block: int = 16) -> int:
+    """What the paged store reserves for it (memory.paged): the 2 full layers a block per
+    `block` tokens, and each of the 2 groups of 2 window layers a ring of blocks for the
+    window plus a chunk (or fewer, for a shorter request)."""
+    blocks = -(-tokens // block)
+    ring = min(blocks, -(-(WINDOW - 1 + chunk) // block))
+    groups = WINDOW_LAYERS // FULL_LAYERS
+    return (blocks + groups * ring) * block * FULL_LAYERS * BYTES_PER_TOKEN_LAYER
+
+
 def all_full_kv_bytes(tokens: int) -> int:
     """The same sequence if every layer held every token."""
     return LAYERS * -(-tokens // 256) * 256 * BYTES_PER_TOKEN_LAYER
