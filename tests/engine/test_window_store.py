@@ -21,6 +21,7 @@ from mlx_lm.generate import generate_step
 from engine import EngineRequest, LoadedModel, SamplingParams, load_model
 from engine.kv import KVGeometry, KVStore, decode_caches, plan_decode, prefill_caches
 from engine.kv.attention import decode_attention
+from engine.speculative import SpeculativeConfig
 from memory import MemoryGuard
 from memory.paged import group_layers, ring_blocks
 from memory.probes.allocator import AllocatorProbe
@@ -181,3 +182,24 @@ def test_a_prefix_hit_resumes_from_the_rings_snapshot_and_prefills_only_the_rest
     tokens, prefilled = run("other", opening, 6)
     assert tokens == reference(opening, 6)
     assert h.out.cached["other"] == 0 and prefilled == len(opening) - 1
+
+
+def test_prompt_lookup_on_window_layers_verifies_drafts_through_the_rings(
+    make_engine: Callable[..., Harness], window_loaded: LoadedModel
+) -> None:
+    """Drafts verified as multi-token calls write into the rings and may be rejected: the
+    tokens stay mlx-lm's, alone and beside a second row, past several windows."""
+    rng = random.Random(3)
+    text = [rng.randrange(97, 123) for _ in range(50)]
+    prompts = [tuple(text * 4), tuple(rng.randrange(256) for _ in range(150))]
+    lookup = SpeculativeConfig("prompt-lookup", num_tokens=4, max_rows=8)
+    h = make_engine(loaded=window_loaded, prefill_step_size=STEP, prefix_cache_bytes=0, speculative=lookup)
+    assert h.core.store.chunk_tokens == STEP  # a verify of 5 tokens fits the rings' chunk
+    for i, p in enumerate(prompts):
+        h.submit(EngineRequest(f"r{i}", p, 100, SamplingParams(temperature=0.0)))
+    h.run_until(lambda: len(h.out.finished) == 2, max_steps=2000)
+    for i, p in enumerate(prompts):
+        steps = generate_step(mx.array(p), window_loaded.model, max_tokens=100, prefill_step_size=STEP)
+        assert h.out.tokens[f"r{i}"] == [int(t) for t, _ in steps]
+    report = h.core.stats.speculative
+    assert report is not None and report["accepted_tokens"] > 0
