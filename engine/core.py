@@ -27,6 +27,7 @@ from engine.kv.buckets import QUERY_FLOOR, QUERY_QUANTUM, default_key_bucket, de
 from engine.kv.store import default_segment_tokens
 from engine.loader import LoadedModel, device_memory_bytes, on_cuda_by_default
 from engine.prefix import ChainKey, PrefixCache, PrefixCacheStats
+from engine.prefix.checkpoints import checkpoints_between
 from engine.prefix.disk import open_disk_tier
 from engine.request import EngineRequest, RequestOutput, Speculation
 from engine.runner import Runner, StepToken
@@ -819,9 +820,26 @@ class EngineCore:
         self.admission.observe_chunk(tokens, max(mx.get_peak_memory() - active_before, 0), predicted)
         # No clear_cache here: the guard has memory handed back when admission needs room.
         for seq, n in chunks:
+            self._keep_window_checkpoints(seq, seq.processed, seq.processed + n)
             seq.processed += n
         self._counters["prefill_chunks"] += len(chunks)
         self._counters["prompt_tokens"] += tokens
+
+    def _keep_window_checkpoints(self, seq: Sequence, start: int, end: int) -> None:
+        """On a model with window layers, a prompt's head is found again only where a copy of
+        its rings was kept (`KVStore.hold_prefix`): keep one at the checkpoints a chunk
+        passes (`engine.prefix.checkpoints`), so that prompts sharing a long system prompt
+        resume from near its end. Its full blocks are shared, not copied."""
+        if not isinstance(self.store, KVStore) or not self.store.geometry.windowed \
+                or self.prefix_cache.max_bytes == 0 or seq.scores_prompt:
+            return
+        prompt = seq.request.prompt_tokens
+        for boundary in checkpoints_between(start, end, len(prompt), self.config.prefill_step_size):
+            if boundary <= seq.cached_tokens:
+                continue
+            prefix = self.store.hold_prefix(seq.request_id, boundary)
+            if prefix is not None:
+                self.prefix_cache.insert(prompt[:boundary], prefix)
 
     def _join_batch(self, seq: Sequence) -> None:
         """Joining copies nothing: the request's blocks stay where they are, and its last

@@ -50,6 +50,7 @@ import mlx.core as mx
 
 from engine.kv.store import SharedPrefix
 from engine.prefix.cache import CAUSES, PrefixCacheStats, PrefixHit
+from engine.prefix.checkpoints import keeps_checkpoint
 from engine.prefix.keys import ROOT, ChainKey, chain_digest
 
 
@@ -160,17 +161,10 @@ class DensePrefixCache:
         boundary = (start // self.checkpoint_tokens + 1) * self.checkpoint_tokens
         return boundary if boundary < end else None
 
-    def is_checkpoint(self, tokens: int) -> bool:
-        return self.on and self.checkpoint_tokens > 0 and tokens > 0 and tokens % self.checkpoint_tokens == 0
-
     def keeps_checkpoint(self, tokens: int, prompt_len: int) -> bool:
-        """Whether the boundary at `tokens` of a prompt of `prompt_len` tokens is snapshotted:
-        k a power of two, or one of the two last boundaries before the prompt's last token
-        (the module's docstring says why)."""
-        if not self.is_checkpoint(tokens) or tokens >= prompt_len - 1:
-            return False
-        k, last = tokens // self.checkpoint_tokens, (prompt_len - 2) // self.checkpoint_tokens
-        return k & (k - 1) == 0 or k >= last - 1
+        """Whether the boundary at `tokens` of a prompt of `prompt_len` tokens is snapshotted
+        (`engine.prefix.checkpoints` says which)."""
+        return self.on and keeps_checkpoint(tokens, prompt_len, self.checkpoint_tokens)
 
     # ---- lookup ----------------------------------------------------------------------
     def lookup(self, tokens: Seq[int], *, count: bool = True,

@@ -279,8 +279,10 @@ class PrefixCache:
             if total <= 0:
                 return None
             chain = chain[: -(-total // bs)]
+            # each node checked for its own positions (`_window_end`): the copies hold all
+            # the positions from the window's start before `total` on
             prefix = SharedPrefix(chain[0].segment_id, tuple(n.block for n in chain), total,
-                                  tuple(n.windows for n in chain), max(n.window_from for n in chain))
+                                  tuple(n.windows for n in chain), max(0, total - (self.window_span or 0)))
             return PrefixHit(chain[-1].key, total, prefix)
         prefix = SharedPrefix(chain[0].segment_id, tuple(n.block for n in chain), matched + best_n) \
             if chain else None

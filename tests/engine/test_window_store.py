@@ -152,7 +152,9 @@ def test_a_prefix_hit_resumes_from_the_rings_snapshot_and_prefills_only_the_rest
 ) -> None:
     """The second turn of a conversation (the first turn's prompt and answer, then 50 new
     tokens) resumes where the first ended: its window layers from the snapshot taken then.
-    A prompt sharing only the first turn's opening finds no snapshot there, and prefills."""
+    A prompt sharing only the first turn's first 100 tokens resumes where the two part: the
+    copies the first turn's prefill left at its checkpoints 32, 64 and 128
+    (`engine.prefix.checkpoints`) hold every window position before that point."""
     h = make_engine(loaded=window_loaded, prefill_step_size=STEP, prefix_cache_bytes=1 << 26)
     rng = random.Random(9)
     first = tuple(rng.randrange(256) for _ in range(300))
@@ -181,7 +183,7 @@ def test_a_prefix_hit_resumes_from_the_rings_snapshot_and_prefills_only_the_rest
     opening = (*first[:100], *(rng.randrange(256) for _ in range(40)))
     tokens, prefilled = run("other", opening, 6)
     assert tokens == reference(opening, 6)
-    assert h.out.cached["other"] == 0 and prefilled == len(opening) - 1
+    assert h.out.cached["other"] == 100 and prefilled == len(opening) - 1 - 100
 
 
 def test_prompt_lookup_on_window_layers_verifies_drafts_through_the_rings(
