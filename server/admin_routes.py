@@ -145,6 +145,8 @@ async def memory_view(request: Request) -> dict[str, Any]:
             "segments": stats.kv_segments,
             "bits": stats.kv_bits,
             "group_size": stats.kv_group_size,
+            # the paged store's layer groups: window layers hold a ring of blocks each
+            "layer_groups": list(stats.kv_layer_groups),
         },
         "prefix_cache": {
             "bytes": prefix.bytes if prefix else 0,

@@ -36,7 +36,7 @@ import numpy as np
 from engine.kv.blocks import BlockAllocator, consecutive
 from engine.kv.buckets import KeyLengths
 from engine.kv.quant import KVQuant
-from memory.paged import PagedGroup, group_blocks, group_layers
+from memory.paged import PagedGroup, group_blocks, group_layers, ring_blocks
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_SEGMENT_BYTES = 2 << 30
@@ -153,6 +153,8 @@ class KVStoreStats:
     block_size: int
     segments: int
     requests: int
+    # the layer groups (memory.paged): layers, window (None: full) and the blocks of a ring
+    groups: tuple[dict[str, int | None], ...] = ()
 
 
 class Segment:
@@ -517,6 +519,16 @@ class KVStore:
             block_size=self.block_size,
             segments=len(self.segments),
             requests=len(self.requests),
+            groups=self._group_report,
+        )
+
+    @cached_property
+    def _group_report(self) -> tuple[dict[str, int | None], ...]:
+        return tuple(
+            {"layers": len(g.layers), "window": g.window,
+             "ring_blocks": None if g.window is None
+             else ring_blocks(g.window, self.chunk_tokens, self.block_size)}
+            for g in self.geometry.groups
         )
 
     # ---- internals -------------------------------------------------------------------

@@ -89,6 +89,9 @@ def test_a_long_requests_kv_figures_are_what_its_caches_hold(window_server: Serv
     assert usage["completion_tokens"] == max_tokens
     total = usage["prompt_tokens"] + max_tokens
     kv = seen["kv"]
+    assert kv["layer_groups"] == [{"layers": 2, "window": None, "ring_blocks": None},
+                                  {"layers": 2, "window": 64, "ring_blocks": 6},
+                                  {"layers": 2, "window": 64, "ring_blocks": 6}]
     # reserved: the full layers' blocks and the window layers' rings, from the config
     assert kv["reserved_bytes"] == window_model.paged_reserved_kv_bytes(total, STEP)
     assert kv["reserved_bytes"] < window_model.all_full_kv_bytes(total) / 2
