@@ -344,7 +344,7 @@ class Runner(ReadsEarly):
             return False
         if choice is None:
             return False
-        self.tables.keep(allocs)
+        self.tables.keep(allocs, self.store)
         if not self.tables.lone_run:
             self._lone = None
             if choice.chosen is not None:

@@ -310,7 +310,7 @@ class DecodeTables:
         or not `runs` lets it (engine.slice_choice times both paths on such rows)."""
         return len(self._groups) == 1 and self._groups[0].run_block is not None
 
-    def keep(self, allocs: list[Allocation], store: KVStore | None = None) -> None:
+    def keep(self, allocs: list[Allocation], store: KVStore) -> None:
         """Rebuild the tables if the batch's rows changed since the last step."""
         if not _same_rows(allocs, self._allocs):
             self._build(allocs, store)
@@ -350,12 +350,12 @@ class DecodeTables:
         slots = geo.layer_slots if len(geo.groups) > 1 else ()
         return DecodePlan(groups, device_vector(positions), self._order, bs, geo.quant, tuple(more), slots)
 
-    def _build(self, allocs: list[Allocation], store: KVStore | None = None) -> None:
+    def _build(self, allocs: list[Allocation], store: KVStore) -> None:
         by_segment: dict[int, list[int]] = {}
         for i, a in enumerate(allocs):
             by_segment.setdefault(a.segment.id, []).append(i)
         single = len(by_segment) == 1
-        windows = [None] if store is None else [g.window for g in store.geometry.groups]
+        windows = [g.window for g in store.geometry.groups]
         self._groups = []
         for rows in by_segment.values():
             members = [allocs[i] for i in rows]
