@@ -5,7 +5,10 @@ Layout. Each *segment* holds, for every layer, one keys and one values array of 
 dim]``, flattened to token slots). A request's *block table* lists the blocks it owns;
 token ``j`` of the request lives in slot ``table[j // block_size] * block_size + j %
 block_size``. All of one request's blocks sit in one segment, so one gather (or one
-kernel launch) per segment serves every row that lives there. With quantized KV
+kernel launch) per segment serves every row that lives there. A model with sliding-window
+layers is held in layer groups of equal size (`memory.paged`): a segment then holds one
+array per slot of a group, a block holds one group's layers, and a request keeps one table
+per group, a window group's a ring of blocks that never grows. With quantized KV
 (`KVGeometry.kv_bits`) a slot holds, per head, one uint32 row of packed values with their
 scales and biases (`engine.kv.quant`) instead of ``head_dim`` values of the model's dtype.
 
