@@ -32,12 +32,22 @@ from engine.kv.quant import KVQuant
 
 _ORIGINAL: Callable[..., mx.array] | None = None  # mlx-lm's, looked up by `_original`
 _kernel_enabled: bool | None = None
+# The kernel's window (ring) and sinks variants compile (tests/engine/test_kernel_compile.py)
+# but have not yet run against the plain path on a GPU (`python -m bench.kernel_check`):
+# until they have, window layers and sinks take the plain path on CUDA too.
+_window_kernel_enabled = False
 
 
 def use_kernel(enabled: bool | None) -> None:
     """Force the CUDA kernel on or off (None: on whenever CUDA is the default device)."""
     global _kernel_enabled
     _kernel_enabled = enabled
+
+
+def use_window_kernel(enabled: bool) -> None:
+    """Let the CUDA kernel attend window layers' rings and sinks (`bench.kernel_check`)."""
+    global _window_kernel_enabled
+    _window_kernel_enabled = enabled
 
 
 def kernel_active() -> bool:
@@ -80,7 +90,8 @@ def _attend_group(q: mx.array, g: DecodeGroup, slot: int, scale: float, block_si
     if g.run_start is not None:
         return run_decode(q, keys, values, g.run_start, g.max_length, scale, quant, sinks)
     if g.kernel is None:  # decided once per step: every layer has the same shapes
-        g.kernel = _takes_kernel(q.shape[1], q.shape[-1], keys.shape[1], quant is not None)
+        g.kernel = (_window_kernel_enabled or (g.ring is None and sinks is None)) and \
+            _takes_kernel(q.shape[1], q.shape[-1], keys.shape[1], quant is not None)
     if g.kernel:
         return paged_decode(q, keys, values, g.table, g.lengths, g.max_length, scale, block_size,
                             window=g.window, ring=g.ring_blocks, sinks=sinks)

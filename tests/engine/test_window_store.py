@@ -205,3 +205,38 @@ def test_prompt_lookup_on_window_layers_verifies_drafts_through_the_rings(
         assert h.out.tokens[f"r{i}"] == [int(t) for t, _ in steps]
     report = h.core.stats.speculative
     assert report is not None and report["accepted_tokens"] > 0
+
+
+def test_window_layers_take_the_plain_path_on_cuda_until_the_ring_kernel_is_enabled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kernel's ring and sinks variants have not yet run against the plain path on a GPU
+    (`python -m bench.kernel_check`): window layers and sinks stay on the plain path."""
+    from engine.kv import attention
+
+    launched: list[int | None] = []
+
+    def kernel(q, keys, values, table, lengths, max_length, scale, block_size, *, window=None,
+               ring=None, sinks=None):
+        launched.append(window)
+        return mx.zeros(q.shape, q.dtype)
+
+    monkeypatch.setattr(attention, "paged_decode", kernel)
+    geometry = KVGeometry(2, 2, 32, mx.float32, windows=(16, None))
+    store = KVStore(geometry, segment_tokens=1024, chunk_tokens=16)
+    alloc = store.reserve("r", 100)
+    alloc.length = 60
+    q = mx.zeros((1, 2, 1, 32))
+    try:
+        attention.use_kernel(True)
+        for enabled, expected in ((None, [None]), (True, [None, 16])):  # None: the default
+            if enabled is not None:
+                attention.use_window_kernel(enabled)
+            launched.clear()
+            caches = decode_caches(plan_decode(store, [alloc]), geometry.num_layers)
+            for cache in caches:
+                decode_attention(q, cache, 0.1)
+            assert sorted(launched, key=lambda w: w or 0) == expected
+    finally:
+        attention.use_kernel(None)
+        attention.use_window_kernel(False)
