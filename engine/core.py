@@ -838,7 +838,8 @@ class EngineCore:
         for boundary in checkpoints_between(start, end, len(prompt), self.config.prefill_step_size):
             if boundary <= seq.cached_tokens:
                 continue
-            prefix = self.store.hold_prefix(seq.request_id, boundary)
+            # the room kept for the prompt's and the conversation's ends stays free
+            prefix = self.store.hold_prefix(seq.request_id, boundary, leave_free=self.store.snapshot_spare())
             if prefix is not None:
                 self.prefix_cache.insert(prompt[:boundary], prefix)
 

@@ -25,6 +25,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+# Copies of the rings (prefix-cache resume points) a new segment has room for besides its
+# request: the prompt's end and the conversation's end (`KVStore.hold_prefix`).
+SNAPSHOTS_PER_SEGMENT = 2
+
 
 @dataclass(frozen=True)
 class PagedGroup:
@@ -57,6 +61,16 @@ def ring_blocks(window: int, chunk: int, block: int) -> int:
     return -(-(window - 1 + max(chunk, 1)) // block)
 
 
+def snapshot_blocks(groups: Sequence[PagedGroup], block: int) -> int:
+    """Blocks one copy of the rings takes: per window group, the widest window's positions
+    before a resume point, from up to a block earlier, over whole blocks."""
+    windows = [g.window for g in groups if g.window is not None]
+    if not windows:
+        return 0
+    span = max(windows) - 1 + block - 1
+    return len(windows) * (-(-span // block) + 1)
+
+
 def group_blocks(group: PagedGroup, tokens: int, block: int, chunk: int) -> int:
     """Blocks a request of ``tokens`` holds in ``group``."""
     need = -(-max(tokens, 1) // block)
@@ -81,6 +95,11 @@ class PagedLayout:
 
     def blocks_for(self, tokens: int, block: int, chunk: int) -> int:
         return sum(group_blocks(g, tokens, block, chunk) for g in self.groups)
+
+    def segment_blocks(self, need: int, block: int) -> int:
+        """A new segment's blocks for a request of `need` blocks: with room for
+        `SNAPSHOTS_PER_SEGMENT` copies of its rings beside it."""
+        return need + SNAPSHOTS_PER_SEGMENT * snapshot_blocks(self.groups, block)
 
     def bytes_for(self, tokens: int, block: int, chunk: int) -> int:
         """What a request of ``tokens`` reserves: its blocks in every group."""

@@ -94,7 +94,7 @@ def segment_bytes(
     groups = paged_groups(geometry, params)
     if groups is not None:
         block = params.kv_block_tokens
-        need = groups.blocks_for(max(final_len, 1), block, _ring_chunk(params))
+        need = groups.segment_blocks(groups.blocks_for(max(final_len, 1), block, _ring_chunk(params)), block)
         blocks = need if exact else max(need, max(1, params.kv_segment_tokens // block))
         return blocks * block * groups.slots * groups.layer_bytes_per_token
     if geometry.kv_layout is not None:

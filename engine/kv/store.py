@@ -39,7 +39,14 @@ import numpy as np
 from engine.kv.blocks import BlockAllocator, consecutive
 from engine.kv.buckets import KeyLengths
 from engine.kv.quant import KVQuant
-from memory.paged import PagedGroup, group_blocks, group_layers, ring_blocks
+from memory.paged import (
+    SNAPSHOTS_PER_SEGMENT,
+    PagedGroup,
+    group_blocks,
+    group_layers,
+    ring_blocks,
+    snapshot_blocks,
+)
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_SEGMENT_BYTES = 2 << 30
@@ -335,12 +342,13 @@ class KVStore:
             raise RuntimeError(f"request {request_id} outgrew its reservation")
 
     # ---- the prefix cache's holds ----------------------------------------------------
-    def hold_prefix(self, request_id: str, tokens: int) -> SharedPrefix | None:
+    def hold_prefix(self, request_id: str, tokens: int, *, leave_free: int = 0) -> SharedPrefix | None:
         """Take a reference on the blocks holding the request's first `tokens` tokens.
 
         A model with window groups also gets a copy of what a request resuming at `tokens`
         needs of its rings, the window's last positions, in new blocks of the same segment:
-        the rings move on as the request decodes. None if the segment has no room for it."""
+        the rings move on as the request decodes. None if the segment has no room for it
+        with `leave_free` blocks left over."""
         alloc = self.requests[request_id]
         tokens = min(tokens, alloc.length)
         if tokens <= 0:
@@ -349,7 +357,7 @@ class KVStore:
         windows: tuple[tuple[int, ...] | None, ...] = ()
         window_from = 0
         if self.geometry.windowed:
-            copied = self._snapshot_windows(alloc, tokens)
+            copied = self._snapshot_windows(alloc, tokens, leave_free)
             if copied is None:
                 return None
             windows, window_from = copied
@@ -363,7 +371,12 @@ class KVStore:
         """Positions before a resume point that a window layer reads: the widest window - 1."""
         return max((g.window or 1 for _, g in self._window_groups()), default=1) - 1
 
-    def _snapshot_windows(self, alloc: Allocation, tokens: int
+    def snapshot_spare(self) -> int:
+        """Blocks a new segment keeps for copies of the rings at a prompt's and at a
+        conversation's end: a checkpoint's copy leaves them free."""
+        return SNAPSHOTS_PER_SEGMENT * snapshot_blocks(self.geometry.groups, self.block_size)
+
+    def _snapshot_windows(self, alloc: Allocation, tokens: int, leave_free: int = 0
                           ) -> tuple[tuple[tuple[int, ...] | None, ...], int] | None:
         """Copy positions [tokens - window + 1, tokens) of every window group's ring into new
         blocks, one per group and block index, from a block earlier (a hit may end up to a
@@ -375,6 +388,8 @@ class KVStore:
         if start > max(0, tokens - self.window_span()):
             return None  # the ring moved past what a hit at `tokens` needs
         first, last = start // bs, self.blocks_for(tokens)
+        if alloc.segment.blocks.free < (last - first) * len(groups) + leave_free:
+            return None
         fresh = alloc.segment.blocks.allocate((last - first) * len(groups))
         if fresh is None:
             return None
@@ -549,6 +564,11 @@ class KVStore:
         return None
 
     def _new_segment_blocks(self, need: int, exact: bool) -> int:
+        """A new segment for a request of `need` blocks; with window groups, room beside it
+        for copies of its rings (`memory.paged.SNAPSHOTS_PER_SEGMENT`), which the prefix
+        cache takes from its segment."""
+        if self.geometry.windowed:
+            need += self.snapshot_spare()
         return need if exact else max(need, self.segment_blocks)
 
     def _add_segment(self, blocks: int) -> Segment:

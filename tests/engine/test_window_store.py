@@ -240,3 +240,22 @@ def test_window_layers_take_the_plain_path_on_cuda_until_the_ring_kernel_is_enab
     finally:
         attention.use_kernel(None)
         attention.use_window_kernel(False)
+
+
+def test_a_prompt_longer_than_a_segment_is_found_again_whole(
+    make_engine: Callable[..., Harness], window_loaded: LoadedModel
+) -> None:
+    """A request too long for a default segment (2,048 token slots on the CPU) gets one sized
+    to it, with room for two copies of its rings beside it: the copy at the prompt's end is
+    taken, checkpoints leaving that room free, and the same prompt again resumes there."""
+    h = make_engine(loaded=window_loaded, prefill_step_size=STEP, prefix_cache_bytes=1 << 26)
+    store = h.core.store
+    prompt = tuple(random.Random(4).randrange(256) for _ in range(2500))
+    out = {}
+    for rid in ("first", "again"):
+        h.submit(EngineRequest(rid, prompt, 4, SamplingParams(temperature=0.0)))
+        h.run_until(lambda rid=rid: rid in h.out.finished, max_steps=2000)
+        out[rid] = h.out.tokens[rid]
+    assert store.blocks_for(2504) + 12 > store.segment_blocks  # its own segment
+    assert out["again"] == out["first"]
+    assert h.out.cached["again"] >= len(prompt) - 1 - STEP  # the prompt's end, not a checkpoint

@@ -63,6 +63,15 @@ def paged_reserved_kv_bytes(tokens: int, chunk: int, block: int = 16) -> int:
     return (blocks + groups * ring) * block * FULL_LAYERS * BYTES_PER_TOKEN_LAYER
 
 
+def snapshot_spare_bytes(block: int = 16) -> int:
+    """The room a new segment keeps beside its request for two copies of its rings
+    (memory.paged.SNAPSHOTS_PER_SEGMENT): per window group, the window's 63 positions from up
+    to a block earlier, 6 blocks."""
+    groups = WINDOW_LAYERS // FULL_LAYERS
+    per_copy = groups * (-(-(WINDOW - 1 + block - 1) // block) + 1)
+    return 2 * per_copy * block * FULL_LAYERS * BYTES_PER_TOKEN_LAYER
+
+
 def all_full_kv_bytes(tokens: int) -> int:
     """The same sequence if every layer held every token."""
     return LAYERS * -(-tokens // 256) * 256 * BYTES_PER_TOKEN_LAYER
