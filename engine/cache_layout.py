@@ -118,6 +118,23 @@ class CacheLayout:
         )
 
     @cached_property
+    def paged_gather(self) -> bool:
+        """Every entry a plain `KVCache` of one shape, one per layer, rows batched, whatever
+        its keys' and values' widths: the paged store can hold it and hand each decode row's
+        K/V back to the model's own attention (MLA: a latent key and a rotary value of other
+        widths than the config's heads, `KVGeometry.gather`)."""
+        if not self.layers or len(self.layers) != self.entries or not self.batched:
+            return False
+        if self.model_layers and self.model_layers != self.entries:
+            return False
+        first = self.layers[0]
+        return first.key_dim > 0 and first.value_dim > 0 and all(
+            c.cache_type == "KVCache" and c.kind == FULL
+            and (c.kv_heads, c.key_dim, c.value_dim) == (first.kv_heads, first.key_dim, first.value_dim)
+            for c in self.layers
+        )
+
+    @cached_property
     def paged_windows(self) -> tuple[int | None, ...] | None:
         """Each entry's window (None: full) where the paged store holds the model in layer
         groups (`memory.paged`): every entry a plain `KVCache` or a `RotatingKVCache` that

@@ -114,6 +114,10 @@ class EngineConfig:
     # Sliding-window layers held in the paged store, at their window (`memory.paged`);
     # False: such models are served through mlx-lm's own caches (engine.dense), as before.
     paged_windows: bool = True
+    # Plain caches of other shapes than the config's heads (MLA) held in the paged store, the
+    # model's own attention run on each decode row's gathered K/V (`KVGeometry.gather`);
+    # False: served through mlx-lm's own caches (engine.dense), as before.
+    paged_gather: bool = True
     # Speculative decoding (engine.speculative): drafts verified as one chunk per row while
     # the batch is small. Off unless asked for (docs/throughput.md has what it gains).
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
@@ -204,9 +208,12 @@ def quantized_kv(loaded: LoadedModel, config: EngineConfig) -> KVGeometry | None
     """The paged store's geometry with the configured KV quantization (None: the model is
     not served by the paged store). The store refuses bits or a group size that do not fit
     the heads (`engine.kv.quant.KVQuant`)."""
-    kv = loaded.kv_geometry(windows=config.paged_windows)
+    kv = loaded.kv_geometry(windows=config.paged_windows, gather=config.paged_gather)
     if kv is None or config.kv_bits is None:
         return kv
+    if kv.gather:
+        raise ValueError(f"quantized KV needs keys and values of one width, and {loaded.model_id}'s "
+                         f"caches hold keys of {kv.head_dim} and values of {kv.value_dim}")
     return dataclasses.replace(kv, kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
 
 
@@ -237,6 +244,8 @@ class EngineCore:
             key_bucket = config.prefill_key_bucket
             if key_bucket is None:
                 key_bucket = default_key_bucket(loaded.backend)
+            if kv.gather:
+                key_bucket = 0  # the model masks its own scores: keys exactly its own
             plan_ms = config.prefill_plan_ms
             if plan_ms is None:
                 plan_ms = default_plan_ms(loaded.backend)
@@ -248,6 +257,9 @@ class EngineCore:
             if kv.windowed:
                 log.info("serving %s with window layers in the paged store: %s", loaded.model_id,
                          loaded.cache_layout().describe())
+            if kv.gather:
+                log.info("serving %s from the paged store through its own attention (keys %d, values %d "
+                         "wide, %d heads)", loaded.model_id, kv.head_dim, kv.value_dim, kv.num_kv_heads)
         else:
             if config.kv_bits is not None:
                 raise ValueError(f"quantized KV needs the paged KV store, and {loaded.model_id}'s "
@@ -275,7 +287,7 @@ class EngineCore:
             )
         self._prefix_budget = 0  # what the cache may hold now (the last upkeep's room)
         if config.prefix_cache_dir and isinstance(self.store, KVStore) and config.prefix_cache_bytes != 0 \
-                and not self.store.geometry.windowed:
+                and not self.store.geometry.windowed and not self.store.geometry.gather:
             self.prefix_cache.disk = open_disk_tier(config.prefix_cache_dir, config.prefix_cache_disk_bytes,
                                                     loaded.path, self.store)
             self.prefix_cache.prefill_rate = self._prefill_rate
@@ -289,7 +301,9 @@ class EngineCore:
             overlap = on_cuda_by_default(config.decode_overlap, loaded.backend)
             compiled = None
             # a window group's decode reads its rings through arrays a traced step does not take
-            if on_cuda_by_default(config.compile_decode, loaded.backend) and not self.store.geometry.windowed:
+            geo = self.store.geometry
+            traceable = not geo.windowed and not geo.gather
+            if on_cuda_by_default(config.compile_decode, loaded.backend) and traceable:
                 compiled = CompiledDecode(self.model, self.store, loaded.geometry.num_heads,
                                           after=config.compile_after)
             speculator = None

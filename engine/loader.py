@@ -69,19 +69,24 @@ class LoadedModel:
             return self.layout
         return probe_cache_layout(self.model, weights_loaded=True)
 
-    def kv_geometry(self, windows: bool = True) -> KVGeometry | None:
-        """The paged KV store's shape, read from the model's caches; None when they are not
-        all plain `KVCache`s of the config's heads and dims, or (with `windows`) those and
-        sliding-window `RotatingKVCache`s (`engine.dense` serves the rest)."""
+    def kv_geometry(self, windows: bool = True, gather: bool = True) -> KVGeometry | None:
+        """The paged KV store's shape, read from the model's caches: plain `KVCache`s of the
+        config's heads and dims, with `windows` sliding-window `RotatingKVCache`s among them,
+        and with `gather` plain `KVCache`s of one shape whatever their heads and widths (MLA).
+        None for the rest (`engine.dense` serves those)."""
         layout = self.cache_layout()
         paged_windows = layout.paged_windows if windows else None
-        if not layout.plain_kv and paged_windows is None:
-            return None
-        first = layout.layers[0]
-        if (first.kv_heads, first.key_dim) != (self.geometry.num_kv_heads, self.geometry.head_dim):
-            return None  # MLA: what the cache stores is not what the config's heads attend
-        return KVGeometry(layout.entries, first.kv_heads, first.key_dim, layout.dtype,
-                          windows=paged_windows or ())
+        first = layout.layers[0] if layout.layers else None
+        if first is not None and (layout.plain_kv or paged_windows is not None) \
+                and (first.kv_heads, first.key_dim) == (self.geometry.num_kv_heads, self.geometry.head_dim):
+            return KVGeometry(layout.entries, first.kv_heads, first.key_dim, layout.dtype,
+                              windows=paged_windows or ())
+        if first is not None and gather and layout.paged_gather:
+            # MLA and the like: what the cache stores is not what the config's heads attend,
+            # so the model's own attention runs on each row's gathered K/V
+            return KVGeometry(layout.entries, first.kv_heads, first.key_dim, layout.dtype,
+                              value_dim=first.value_dim, gather=True)
+        return None
 
 
 def _context_length(path: Path | None, tokenizer: Any, default: int = 8192) -> int:

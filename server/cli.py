@@ -91,6 +91,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--paged-windows", action=argparse.BooleanOptionalAction, default=None,
                        help="hold sliding-window layers (Gemma 3, gpt-oss...) in the paged KV store at "
                        "their window (default: on; off serves them through mlx-lm's own caches)")
+    serve.add_argument("--paged-gather", action=argparse.BooleanOptionalAction, default=None,
+                       help="hold MLA models' caches (DeepSeek, Kimi, GLM-4.7-Flash) in the paged KV "
+                       "store, their own attention on each row's gathered K/V (default: on; off serves "
+                       "them through mlx-lm's own caches)")
     serve.add_argument("--slice-decode", action=argparse.BooleanOptionalAction, default=None,
                        help="attend a lone decoding row on consecutive KV blocks as one slice of the "
                        "pool by MLX's fused SDPA, stepped eagerly (default: always where steps are "

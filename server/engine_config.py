@@ -32,6 +32,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         kv_bits=settings.kv_bits,
         kv_group_size=settings.kv_group_size,
         paged_windows=settings.paged_windows,
+        paged_gather=settings.paged_gather,
         speculative=SpeculativeConfig(settings.speculative, settings.num_speculative_tokens,
                                       settings.speculative_max_rows, draft_model=settings.draft_model,
                                       draft_dtype=settings.dtype),

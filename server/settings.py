@@ -116,6 +116,11 @@ class Settings(BaseSettings):
         "layer groups (memory.paged); false: serve such models through mlx-lm's own caches "
         "(engine.dense), as an A/B",
     )
+    paged_gather: bool = Field(
+        True, description="hold caches of other shapes than the config's heads (MLA: DeepSeek, "
+        "Kimi, GLM-4.7-Flash) in the paged KV store, the model's own attention run on each decode "
+        "row's gathered K/V; false: serve them through mlx-lm's own caches, as an A/B",
+    )
     slice_decode: bool | None = Field(
         None, description="attend a lone decoding row on consecutive KV blocks as one slice of "
         "the pool, by MLX's fused SDPA, stepped eagerly (engine.kv.attention.run_decode; None: "

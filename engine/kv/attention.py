@@ -26,7 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.kv.cache import DecodeCache, DecodeGroup, run_view
+from engine.kv.cache import DecodeCache, DecodeGroup, pool_rows, run_view
 from engine.kv.cuda_decode import decode_span, paged_decode, partition_split
 from engine.kv.quant import KVQuant
 
@@ -66,8 +66,23 @@ def paged_scaled_dot_product_attention(
     sinks: mx.array | None = None,
 ) -> mx.array:
     if isinstance(cache, DecodeCache):
+        if cache.plan.gather:  # `keys`, `values` are every row's, gathered (DecodeCache)
+            return _original()(queries, keys, values, cache=None, scale=scale,
+                               mask=_written_only(mask, cache), sinks=sinks)
         return decode_attention(queries, cache, scale, sinks)
     return _original()(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def _written_only(mask: Any, cache: DecodeCache) -> mx.array:
+    """A gathering decode step's mask (`KVGeometry.gather`): whatever the model made (its own
+    score bias, as MLA's rotary scores, or none), with each row's unwritten keys masked out:
+    a model that asked no mask for one query (mistral4) did not mask them itself."""
+    written = cache.plan.length_mask(cache.groups)
+    if mask is None or isinstance(mask, str):
+        return written
+    if mask.dtype == mx.bool_:
+        return mask & written
+    return mx.where(written, mask, mx.array(mx.finfo(mask.dtype).min, mask.dtype))
 
 
 def decode_attention(queries: mx.array, cache: DecodeCache, scale: float,
@@ -120,10 +135,9 @@ def plain_decode(
 ) -> mx.array:
     """Gather this group's slots of one layer (decoding quantized rows to the queries'
     dtype), then one masked SDPA (CPU, Metal, quantized KV, the kernel's reference)."""
-    slots, heads, width = keys.shape
-    read, mask = g.plain_indices(block_size, heads, q.dtype)
-    k = keys.reshape(slots * heads, width)[read]  # [Bg, H, L, D]
-    v = values.reshape(slots * heads, width)[read]
+    read, mask = g.plain_indices(block_size, keys.shape[1], q.dtype)
+    k = pool_rows(keys)[read]  # [Bg, H, L, D]
+    v = pool_rows(values)[read]
     if quant is not None:
         k, v = quant.decode(k), quant.decode(v)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)

@@ -68,9 +68,8 @@ class PrefillCache:
         self.offset += keys.shape[2]
         if self._run_start is not None:
             return run_view(seg.keys[layer], seg.values[layer], self._run_start, self._width, quant)
-        slots, heads, width = seg.keys[layer].shape
-        k = seg.keys[layer].reshape(slots * heads, width)[self._read][None]
-        v = seg.values[layer].reshape(slots * heads, width)[self._read][None]
+        k = pool_rows(seg.keys[layer])[self._read][None]
+        v = pool_rows(seg.values[layer])[self._read][None]
         return (k, v) if quant is None else (quant.decode(k), quant.decode(v))
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
@@ -100,6 +99,13 @@ class PrefillCache:
             mask = window_mask(np.asarray([start]), np.asarray([n]), np.asarray([low]), n, self._keys,
                                band, self._mask_dtype, array=True)
         return mask
+
+
+def pool_rows(pool: mx.array) -> mx.array:
+    """A layer's pool seen as [slots × heads, width]: one gather of [heads, L] row indices
+    gives SDPA's layout directly."""
+    slots, heads, width = pool.shape
+    return pool.reshape(slots * heads, width)
 
 
 def run_view(keys: mx.array, values: mx.array, start: int, length: int,
@@ -194,11 +200,22 @@ def window_mask(starts: np.ndarray, lengths: np.ndarray, lows: np.ndarray, queri
     if not array and len(starts) == 1 and keys == ends[0] - lows[0] and keys <= window \
             and queries == lengths[0]:
         return "causal"
+    return additive_mask(mx.array(band_allowed(starts, lengths, lows, queries, keys, window)), dtype)
+
+
+def band_allowed(starts: np.ndarray, lengths: np.ndarray, lows: np.ndarray, queries: int, keys: int,
+                 window: int | None) -> np.ndarray:
+    """[B, 1, queries, keys] bool: row b's query t (position `starts[b] + t`, padded queries
+    as its last real one) sees key j (position `lows[b] + j`) where `k <= q`, `k > q - window`
+    (no lower bound for a full layer) and the key was written."""
+    ends = starts + lengths
     t = np.minimum(np.arange(queries)[None, :, None], lengths[:, None, None] - 1)
     q = starts[:, None, None] + t
     k = lows[:, None, None] + np.arange(keys)[None, None, :]
-    allowed = (k <= q) & (k > q - window) & (k < ends[:, None, None])
-    return additive_mask(mx.array(allowed[:, None]), dtype)
+    allowed = (k <= q) & (k < ends[:, None, None])
+    if window is not None:
+        allowed &= k > q - window
+    return allowed[:, None]
 
 
 @dataclass
@@ -226,6 +243,18 @@ class DecodeGroup:
         """Blocks the plain path gathers per row: its graph's only use of the length."""
         blocks = -(-self.max_length // block_size)
         return blocks if self.ring is None else min(blocks, self.table.shape[1])
+
+    def gather_rows(self, block_size: int, blocks: int, kv_heads: int) -> mx.array:
+        """[Bg, H, blocks × block_size] rows of the pool (`pool_rows`) holding each row's
+        first `blocks` blocks; past its table, slot 0 (masked by the caller)."""
+        if self.read is None or self.read.shape[-1] != blocks * block_size:
+            table = self.table[:, :blocks]
+            if table.shape[1] < blocks:
+                table = mx.pad(table, [(0, 0), (0, blocks - table.shape[1])])
+            within = mx.arange(block_size, dtype=mx.int32)
+            slots = (table[:, :, None] * block_size + within[None, None, :]).reshape(table.shape[0], -1)
+            self.read = slots[:, None, :] * kv_heads + mx.arange(kv_heads, dtype=mx.int32)[None, :, None]
+        return self.read
 
     def plain_indices(self, block_size: int, kv_heads: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """Indices into the pool seen as [slots × H, D], so that one gather yields K in
@@ -263,6 +292,29 @@ class DecodePlan:
     quant: KVQuant | None = None  # the pool's rows are quantized (engine.kv.quant)
     more: tuple[list[DecodeGroup], ...] = ()  # the other layer groups' (`KVGeometry.groups`)
     layer_slots: tuple[tuple[int, int], ...] = ()  # (layer group, slot) per layer; () = (0, layer)
+    gather: bool = False  # `KVGeometry.gather`: hand the model each row's K/V and a length mask
+    _lengths_mask: mx.array | None = None
+
+    def gathered(self, groups: list[DecodeGroup], slot: int) -> tuple[mx.array, mx.array]:
+        """Every row's K/V of one layer, [B, H, L, D] in batch order, L the longest row's
+        blocks (the rest masked by `length_mask`)."""
+        blocks = max(g.plain_blocks(self.block_size) for g in groups)
+        keys, values = [], []
+        for g in groups:
+            read = g.gather_rows(self.block_size, blocks, g.segment.keys[slot].shape[1])
+            keys.append(pool_rows(g.segment.keys[slot])[read])
+            values.append(pool_rows(g.segment.values[slot])[read])
+        if self.order is None:
+            return keys[0], values[0]
+        return mx.concatenate(keys, axis=0)[self.order], mx.concatenate(values, axis=0)[self.order]
+
+    def length_mask(self, groups: list[DecodeGroup]) -> mx.array:
+        """[B, 1, 1, L] bool: the keys `gathered` returns that each row has written."""
+        if self._lengths_mask is None:
+            blocks = max(g.plain_blocks(self.block_size) for g in groups)
+            positions = mx.arange(blocks * self.block_size, dtype=mx.int32)[None, :]
+            self._lengths_mask = (positions <= self.offsets[:, None])[:, None, None, :]
+        return self._lengths_mask
 
     def of_layer(self, layer: int) -> tuple[list[DecodeGroup], int]:
         """The groups of rows a layer attends through, and its array in their segments."""
@@ -348,7 +400,8 @@ class DecodeTables:
                     ring_blocks=None if caps is None else device_vector(caps),
                 ))
         slots = geo.layer_slots if len(geo.groups) > 1 else ()
-        return DecodePlan(groups, device_vector(positions), self._order, bs, geo.quant, tuple(more), slots)
+        return DecodePlan(groups, device_vector(positions), self._order, bs, geo.quant, tuple(more), slots,
+                          gather=geo.gather)
 
     def _build(self, allocs: list[Allocation], store: KVStore) -> None:
         by_segment: dict[int, list[int]] = {}
@@ -428,9 +481,13 @@ class DecodeCache:
                 k, v = k[g.rows], v[g.rows]
             g.segment.keys[self.slot][g.write] = k
             g.segment.values[self.slot][g.write] = v
+        if self.plan.gather:  # the model attends itself, over every row's K/V
+            return self.plan.gathered(self.groups, self.slot)
         return keys, values
 
-    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> None:
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        if self.plan.gather and n == 1 and window_size is None:
+            return self.plan.length_mask(self.groups) if return_array else None
         if n != 1 or (window_size is not None and (self.window is None or window_size < self.window)):
             raise ValueError(f"the paged decode cache runs one token per row, each over its layer's "
                              f"window (asked {n} tokens, window {window_size}; the layer's {self.window})")

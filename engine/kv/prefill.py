@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from engine.kv.cache import window_mask
+from engine.kv.cache import band_allowed, pool_rows, window_mask
 from engine.kv.masks import additive_mask
 from engine.kv.quant import KVQuant
 from engine.kv.store import Allocation, KVStore, Segment, ring_slots
@@ -51,7 +51,7 @@ class GroupPart:
     read: mx.array  # [B, H, L] int32: rows of the pool seen as [slots × H, D]
     mask: mx.array | str  # [B, 1, T, L] additive, model's dtype; "causal" when every row is the same shape
     window: int | None = None
-    # a window group's rows (starts, lengths, lows), for a mask of another band
+    # the rows (starts, lengths, first keys), for a mask of another band or a boolean one
     rows: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     dtype: mx.Dtype = mx.float32
 
@@ -60,6 +60,14 @@ class GroupPart:
         starts, lengths, lows = self.rows
         return window_mask(starts, lengths, lows, int(lengths.max()), int(self.read.shape[-1]), window,
                            self.dtype)
+
+    def allowed(self, window: int | None) -> mx.array:
+        """The mask as booleans (a model that asks for an array, as MLA's does to mask its
+        own scores)."""
+        assert self.rows is not None
+        starts, lengths, lows = self.rows
+        return mx.array(band_allowed(starts, lengths, lows, int(lengths.max()), int(self.read.shape[-1]),
+                                     window))
 
 
 @dataclass
@@ -77,11 +85,12 @@ class PrefillPlan:
     more: tuple[GroupPart, ...] = ()  # the other layer groups' (`KVGeometry.groups`)
     layer_slots: tuple[tuple[int, int], ...] = ()  # (layer group, slot) per layer; () = (0, layer)
     window: int | None = None  # the first group's window (a model of window layers only)
+    first: GroupPart | None = None  # the first group's part, as built
 
     def of_layer(self, layer: int) -> tuple[GroupPart, int]:
         gi, slot = self.layer_slots[layer] if self.layer_slots else (0, layer)
         if gi == 0:
-            return GroupPart(self.write, self.read, self.mask, self.window), slot
+            return self.first or GroupPart(self.write, self.read, self.mask, self.window), slot
         return self.more[gi - 1], slot
 
 
@@ -119,6 +128,7 @@ def plan_prefill(store: KVStore, rows: Seq[PrefillRow]) -> PrefillPlan:
         more=tuple(parts[1:]),
         layer_slots=geo.layer_slots if len(geo.groups) > 1 else (),
         window=first.window,
+        first=first,
     )
 
 
@@ -153,7 +163,8 @@ def _full_part(store: KVStore, rows: Seq[PrefillRow], starts: np.ndarray, length
         k = np.arange(width)[None, None, :]
         allowed = mx.array(((k <= starts[:, None, None] + q) & (k < ends[:, None, None]))[:, None, :, :])
         mask = additive_mask(allowed, store.geometry.dtype)
-    return GroupPart(mx.array(np.concatenate(write).astype(np.int32)), mx.array(read.astype(np.int32)), mask)
+    return GroupPart(mx.array(np.concatenate(write).astype(np.int32)), mx.array(read.astype(np.int32)), mask,
+                     rows=(starts, lengths, np.zeros_like(starts)))
 
 
 def _window_part(store: KVStore, rows: Seq[PrefillRow], starts: np.ndarray, lengths: np.ndarray,
@@ -200,12 +211,11 @@ class BatchPrefillCache:
         b, heads, t, dim = keys.shape
         plan, part, seg, layer, quant = self.plan, self.part, self.plan.segment, self.layer, self.plan.quant
         k = keys.transpose(0, 2, 1, 3).reshape(b * t, heads, dim)[plan.valid]
-        v = values.transpose(0, 2, 1, 3).reshape(b * t, heads, dim)[plan.valid]
+        v = values.transpose(0, 2, 1, 3).reshape(b * t, heads, values.shape[-1])[plan.valid]
         seg.keys[layer][part.write] = k if quant is None else quant.encode(k)
         seg.values[layer][part.write] = v if quant is None else quant.encode(v)
-        slots, _, width = seg.keys[layer].shape
-        k = seg.keys[layer].reshape(slots * heads, width)[part.read]
-        v = seg.values[layer].reshape(slots * heads, width)[part.read]
+        k = pool_rows(seg.keys[layer])[part.read]
+        v = pool_rows(seg.values[layer])[part.read]
         return (k, v) if quant is None else (quant.decode(k), quant.decode(v))
 
     def make_mask(
@@ -214,6 +224,9 @@ class BatchPrefillCache:
         window = self.part.window
         if window is None and window_size is not None:
             raise ValueError("a full layer of the paged KV store was asked for a sliding-window mask")
+        band = window_size or window
+        if return_array:
+            return self.part.allowed(band)
         if window is not None and window_size not in (None, window):
             return self.part.band(window_size)  # plamo3 masks one more than it keeps
         return self.part.mask

@@ -85,6 +85,12 @@ class KVGeometry:
     # Keys each layer attends (its sliding window), None for a full layer; () when every
     # layer is full. Layers are held in groups of one kind (`memory.paged`).
     windows: tuple[int | None, ...] = ()
+    # A model whose attention does its own arithmetic on what its cache returns (MLA's
+    # latent keys and rotary values, of other widths than the config's heads): values of
+    # `value_dim` (0: head_dim), and decode hands back each row's gathered K/V with a
+    # length mask instead of attending itself (`engine.kv.cache.DecodeCache`).
+    value_dim: int = 0
+    gather: bool = False
 
     @cached_property
     def groups(self) -> tuple[PagedGroup, ...]:
@@ -122,9 +128,19 @@ class KVGeometry:
         return (self.num_kv_heads, quant.row_words), mx.uint32
 
     @property
+    def value_row_shape(self) -> tuple[tuple[int, int], mx.Dtype]:
+        """The same for values: `row_shape` unless they have a width of their own."""
+        if not self.value_dim or self.value_dim == self.head_dim:
+            return self.row_shape
+        if self.kv_bits is not None:
+            raise ValueError("quantized KV needs keys and values of one width")
+        return (self.num_kv_heads, self.value_dim), self.dtype
+
+    @property
     def layer_bytes_per_token(self) -> int:
         (heads, width), dtype = self.row_shape
-        return 2 * heads * width * dtype.size
+        (_, value_width), value_dtype = self.value_row_shape
+        return heads * (width * dtype.size + value_width * value_dtype.size)
 
     @property
     def bytes_per_token(self) -> int:
@@ -173,10 +189,11 @@ class Segment:
         self.blocks = BlockAllocator(num_blocks)
         self.slots = num_blocks * block_size
         row, dtype = geo.row_shape
-        shape = (num_blocks * block_size, *row)
+        value_row, value_dtype = geo.value_row_shape
+        shape, value_shape = (num_blocks * block_size, *row), (num_blocks * block_size, *value_row)
         # one array per layer a block holds: a group's layer at slot s reads keys[s]
         self.keys: list[mx.array] = [mx.zeros(shape, dtype) for _ in range(geo.block_layers)]
-        self.values: list[mx.array] = [mx.zeros(shape, dtype) for _ in range(geo.block_layers)]
+        self.values: list[mx.array] = [mx.zeros(value_shape, value_dtype) for _ in range(geo.block_layers)]
         mx.eval(self.keys, self.values)
         self.nbytes = sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
 

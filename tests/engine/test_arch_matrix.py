@@ -43,6 +43,10 @@ PAGED_WINDOWS = {
     "spark2_5",
 }
 
+# Types whose caches are not the config's heads (MLA's latent keys and rotary values): held
+# in the paged store, each decode row's K/V gathered for the model's own attention.
+PAGED_GATHER = {"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "kimi_k25", "kimi_vl", "mistral4", "plamo"}
+
 # Types whose mlx-lm forward fails on its own (nothing to compare against): the test checks
 # that generate_step still fails, so that a fixed mlx-lm puts the type back in the matrix.
 MLX_LM_FAILS: dict[str, str] = {
@@ -101,8 +105,9 @@ def test_greedy_output_equals_mlx_lm(model_type: str, make_engine: Callable[...,
         for i, (p, (_, n)) in enumerate(zip(prompts, shapes, strict=True))
     ]
     h = make_engine(loaded=loaded, prefill_step_size=STEP, prefix_cache_bytes=1 << 24)
-    windowed = bool(getattr(getattr(h.core.store, "geometry", None), "windowed", False))
-    assert windowed == (model_type in PAGED_WINDOWS), "the path docs/cache-kinds.md lists"
+    geometry = getattr(h.core.store, "geometry", None)
+    assert bool(getattr(geometry, "windowed", False)) == (model_type in PAGED_WINDOWS), "docs/cache-kinds.md"
+    assert bool(getattr(geometry, "gather", False)) == (model_type in PAGED_GATHER), "docs/cache-kinds.md"
 
     def run(batch: list[EngineRequest]) -> list[list[int]]:
         for r in batch:
