@@ -194,76 +194,59 @@ _SINKS_MERGE_SOURCE = (
 
 _HEADER = "#define NEG_INF (-__int_as_float(0x7f800000))\n"
 
-_kernel: Any = None
-_merge_kernel: Any = None
-_ring_kernel: Any = None
-_sinks_merge_kernel: Any = None
+_built: dict[str, Any] = {}  # kernels by name, compiled on first use
 _scales: dict[float, mx.array] = {}
 _F32X3 = [mx.float32, mx.float32, mx.float32]
 
 
-def build_kernel(name: str = "headroom_paged_decode", source: str = _SOURCE) -> Any:
+def build_kernel(name: str = "headroom_paged_decode", source: str = _SOURCE,
+                 extra_inputs: tuple[str, ...] = ()) -> Any:
     """The paged kernel from `source`, with the inputs and outputs `paged_decode` passes
     (a variant of the source needs its own name: MLX caches a compiled kernel by name)."""
     return mx.fast.cuda_kernel(
         name=name,
-        input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale", "part"],
+        input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale", "part", *extra_inputs],
         output_names=["out", "out_m", "out_l"],
         source=source,
         header=_HEADER,
     )
 
 
-def _get_kernel() -> Any:
-    global _kernel
-    if _kernel is None:
-        _kernel = build_kernel()
-    return _kernel
-
-
-def _get_ring_kernel() -> Any:
-    global _ring_kernel
-    if _ring_kernel is None:
-        _ring_kernel = mx.fast.cuda_kernel(
-            name="headroom_paged_decode_ring",
-            input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale", "part", "first", "ring"],
-            output_names=["out", "out_m", "out_l"],
-            source=_RING_SOURCE,
-            header=_HEADER,
-        )
-    return _ring_kernel
-
-
-def _get_sinks_merge_kernel() -> Any:
-    global _sinks_merge_kernel
-    if _sinks_merge_kernel is None:
-        _sinks_merge_kernel = mx.fast.cuda_kernel(
-            name="headroom_paged_decode_merge_sinks",
-            input_names=["part_out", "m", "l", "sinks"],
-            output_names=["y"],
-            source=_SINKS_MERGE_SOURCE,
-            header=_HEADER,
-        )
-    return _sinks_merge_kernel
-
-
-def build_merge_kernel(name: str = "headroom_paged_decode_merge", source: str = _MERGE_SOURCE) -> Any:
+def build_merge_kernel(name: str = "headroom_paged_decode_merge", source: str = _MERGE_SOURCE,
+                       extra_inputs: tuple[str, ...] = ()) -> Any:
     """A partitions' merge from `source`, with the inputs and output `merge_partitions`
     passes (a variant needs its own name, as for `build_kernel`)."""
     return mx.fast.cuda_kernel(
         name=name,
-        input_names=["part_out", "m", "l"],
+        input_names=["part_out", "m", "l", *extra_inputs],
         output_names=["y"],
         source=source,
         header=_HEADER,
     )
 
 
+def _built_once(name: str, build: Any) -> Any:
+    if name not in _built:
+        _built[name] = build()
+    return _built[name]
+
+
+def _get_kernel() -> Any:
+    return _built_once("attend", build_kernel)
+
+
 def _get_merge_kernel() -> Any:
-    global _merge_kernel
-    if _merge_kernel is None:
-        _merge_kernel = build_merge_kernel()
-    return _merge_kernel
+    return _built_once("merge", build_merge_kernel)
+
+
+def _get_ring_kernel() -> Any:
+    return _built_once("ring", lambda: build_kernel(
+        "headroom_paged_decode_ring", _RING_SOURCE, ("first", "ring")))
+
+
+def _get_sinks_merge_kernel() -> Any:
+    return _built_once("sinks", lambda: build_merge_kernel(
+        "headroom_paged_decode_merge_sinks", _SINKS_MERGE_SOURCE, ("sinks",)))
 
 
 def partition_tokens(batch: int, kv_heads: int, max_length: int) -> int:

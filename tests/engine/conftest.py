@@ -75,3 +75,12 @@ def make_engine(tiny_loaded: LoadedModel) -> Callable[..., Harness]:
         return Harness(core, out)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def window_loaded(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """The tiny sliding-window model (tests/engine/window_model.py), saved and loaded."""
+    from tests.engine import window_model
+
+    path = window_model.save_window_model(tmp_path_factory.mktemp("models") / "window", tiny_model_path)
+    return load_model(str(path))

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from pathlib import Path
 
 import mlx.core as mx
-import pytest
 
-from engine import EngineRequest, LoadedModel, SamplingParams, load_model
+from engine import EngineRequest, LoadedModel, SamplingParams
 from engine.dense import DenseStore
 from memory import MemoryGuard, estimate_prefill
 from memory.probes.allocator import AllocatorProbe
@@ -21,12 +19,6 @@ from tests.engine import window_model
 from tests.engine.conftest import Harness
 
 STEP = 32  # prefill chunk
-
-
-@pytest.fixture(scope="module")
-def window_loaded(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    path = window_model.save_window_model(tmp_path_factory.mktemp("models") / "window", tiny_model_path)
-    return load_model(str(path))
 
 
 def test_a_long_request_is_reserved_and_load_admitted_at_what_its_caches_hold(

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from engine import EngineRequest, LoadedModel, SamplingParams, load_model
+from engine import EngineRequest, LoadedModel, SamplingParams
 from engine.kv import KVGeometry, KVStore, decode_caches, plan_decode, prefill_caches
 from engine.kv.attention import decode_attention
 from engine.speculative import SpeculativeConfig
@@ -98,12 +97,6 @@ def test_window_layers_attend_their_band_through_a_wrapped_ring(kv_bits: int | N
         np.testing.assert_allclose(out[0, :, 0], want, **tol)
         store.advance("r", 1)
         pos += 1
-
-
-@pytest.fixture(scope="module")
-def window_loaded(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    path = window_model.save_window_model(tmp_path_factory.mktemp("models") / "window", tiny_model_path)
-    return load_model(str(path))
 
 
 def test_a_long_request_reserves_rings_on_window_layers_as_load_admission_computes(
