@@ -240,7 +240,8 @@ class EngineCore:
             segment_tokens = config.kv_segment_tokens
             if segment_tokens is None:
                 segment_tokens = default_segment_tokens(loaded.backend, kv.bytes_per_token,
-                                                        device_memory_bytes())
+                                                        device_memory_bytes(),
+                                                        groups=-(-kv.num_layers // kv.block_layers))
             key_bucket = config.prefill_key_bucket
             if key_bucket is None:
                 key_bucket = default_key_bucket(loaded.backend)

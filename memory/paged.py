@@ -93,6 +93,19 @@ class PagedLayout:
     def windowed(self) -> bool:
         return any(g.window is not None for g in self.groups)
 
+    @property
+    def block_bytes_per_token(self) -> int:
+        """Bytes of one token slot of a block (`slots` layers): what the store's segment
+        sizes divide by."""
+        return self.slots * self.layer_bytes_per_token
+
+    @property
+    def blocks_per_layout(self) -> int:
+        """How many groups' blocks hold what one block of every layer would: a segment of a
+        given number of tokens holds this many times fewer of them."""
+        layers = sum(len(g.layers) for g in self.groups)
+        return -(-layers // self.slots)
+
     def blocks_for(self, tokens: int, block: int, chunk: int) -> int:
         return sum(group_blocks(g, tokens, block, chunk) for g in self.groups)
 

@@ -13,8 +13,9 @@ from typing import Any
 
 from memory import Ceiling, CeilingConfig, MemorySnapshot, Probe, Tier, compute_ceiling, detect_probe
 from memory.decision import usage_bytes
+from memory.estimate import ModelGeometry
 from memory.fit import FitReport, ModelSpec, compute_fit
-from memory.walk import EngineParams
+from memory.walk import EngineParams, paged_groups
 from server.settings import Settings
 
 log = logging.getLogger("mlx_headroom.server")
@@ -46,7 +47,8 @@ class LoadAdmission:
 
 
 def engine_params(
-    settings: Settings, backend: str, kv_bytes_per_token: int, device_bytes: int | None = None
+    settings: Settings, backend: str, kv_bytes_per_token: int, device_bytes: int | None = None,
+    geometry: ModelGeometry | None = None,
 ) -> EngineParams:
     """The engine's admission settings, and the KV store's block and default segment sizes
     as the engine picks them for this model and backend (`device_bytes`: the card's total
@@ -58,7 +60,12 @@ def engine_params(
     config = engine_config(settings)
     segment = config.kv_segment_tokens
     if segment is None:
-        segment = default_segment_tokens(backend, kv_bytes_per_token, device_bytes)
+        groups = 1
+        layout = paged_groups(geometry, EngineParams(paged_windows=settings.paged_windows)) \
+            if geometry is not None else None
+        if layout is not None:  # window layers in groups: a block holds a group's layers
+            kv_bytes_per_token, groups = layout.block_bytes_per_token, layout.blocks_per_layout
+        segment = default_segment_tokens(backend, kv_bytes_per_token, device_bytes, groups=groups)
     return EngineParams(
         chunk_tokens=settings.prefill_step_size,
         min_chunk_tokens=settings.min_prefill_chunk,
@@ -116,7 +123,8 @@ def fit_for_settings(
         reserve_tokens=settings.load_reserve_tokens,
         max_tokens=max_tokens or settings.default_max_tokens,
         params=engine_params(settings, backend_name(), spec.geometry.kv_bytes_per_token,
-                             snapshot.total_bytes if snapshot.platform == "cuda" else None),
+                             snapshot.total_bytes if snapshot.platform == "cuda" else None,
+                             spec.geometry),
         macos=snapshot.platform == "macos",
     )
 

@@ -102,6 +102,8 @@ def decode_attention(queries: mx.array, cache: DecodeCache, scale: float,
 def _attend_group(q: mx.array, g: DecodeGroup, slot: int, scale: float, block_size: int,
                   quant: KVQuant | None, sinks: mx.array | None = None) -> mx.array:
     keys, values = g.segment.keys[slot], g.segment.values[slot]
+    if g.run_start is not None and g.ring is not None:
+        return ring_run_decode(q, keys, values, g, scale, block_size, quant, sinks)
     if g.run_start is not None:
         return run_decode(q, keys, values, g.run_start, g.max_length, scale, quant, sinks)
     if g.kernel is None:  # decided once per step: every layer has the same shapes
@@ -141,6 +143,17 @@ def plain_decode(
     if quant is not None:
         k, v = quant.decode(k), quant.decode(v)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+
+
+def ring_run_decode(q: mx.array, keys: mx.array, values: mx.array, g: DecodeGroup, scale: float,
+                    block_size: int, quant: KVQuant | None = None, sinks: mx.array | None = None) -> mx.array:
+    """A lone row of a window layer whose ring is one run of blocks: SDPA over a view of
+    the ring's slots (no gather) under the band mask of the plain path, cut to the view."""
+    length = min(g.plain_blocks(block_size) * block_size, g.run_slots)
+    assert g.run_start is not None
+    _, mask = g.plain_indices(block_size, keys.shape[1], q.dtype)  # its gather indices never run
+    k, v = run_view(keys, values, g.run_start, length, quant)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask[..., :length], sinks=sinks)
 
 
 def run_decode(q: mx.array, keys: mx.array, values: mx.array, start: int, length: int,

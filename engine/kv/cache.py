@@ -238,6 +238,7 @@ class DecodeGroup:
     window: int | None = None
     ring: mx.array | None = None  # [Bg] int32, in slots
     ring_blocks: mx.array | None = None  # the same in blocks (the CUDA kernel's)
+    run_slots: int = 0  # a lone row's ring in slots (its view stops there)
 
     def plain_blocks(self, block_size: int) -> int:
         """Blocks the plain path gathers per row: its graph's only use of the length."""
@@ -325,15 +326,26 @@ class DecodePlan:
 
 
 @dataclass(frozen=True)
-class _GroupTables:
-    rows: list[int]  # row indices into the batch
-    rows_array: mx.array | None  # the same on the device; None = all rows, in order
+class _Tables:
+    """One layer group's tables for a segment's rows, kept while the rows stay."""
+
     table: np.ndarray  # [Bg, NB] int32 block tables, zero-padded to `table_width`
     table_array: mx.array
     run_block: int | None  # one row on consecutive blocks: its first block (DecodeGroup.run_start)
-    # the other layer groups' tables, and for each window group its rows' ring lengths in blocks
-    more: tuple[tuple[np.ndarray, mx.array, np.ndarray | None], ...] = ()
-    ring0: np.ndarray | None = None  # the first group's ring lengths, where it is a window group
+    caps: np.ndarray | None = None  # a window group's rows' ring lengths in blocks
+    ring_slots: mx.array | None = None  # the same in slots, on the device
+    ring_blocks: mx.array | None = None
+
+
+@dataclass(frozen=True)
+class _GroupTables:
+    rows: list[int]  # row indices into the batch
+    rows_array: mx.array | None  # the same on the device; None = all rows, in order
+    parts: tuple[_Tables, ...]  # per layer group (`KVGeometry.groups`)
+
+    @property
+    def run_block(self) -> int | None:
+        return self.parts[0].run_block
 
 
 class DecodeTables:
@@ -372,56 +384,48 @@ class DecodeTables:
         bs = store.block_size
         positions = np.fromiter((a.length for a in allocs), dtype=np.int32, count=len(allocs))
         geo = store.geometry
-        windows = [g.window for g in geo.groups[1:]]
-        groups: list[DecodeGroup] = []
-        more: list[list[DecodeGroup]] = [[] for _ in windows]
+        per_group: list[list[DecodeGroup]] = [[] for _ in geo.groups]
         for t in self._groups:
             pos = positions if t.rows_array is None else positions[t.rows]
             segment = allocs[t.rows[0]].segment
             lengths, max_length = device_vector(pos + 1), int(pos.max()) + 1
-            within, index = pos % bs, np.arange(len(pos))
-            window = geo.groups[0].window  # not None in a model of window layers only
-            write = t.table[index, pos // bs] * bs + within if t.ring0 is None else \
-                _ring_write(t.table, t.ring0, pos, bs)
-            groups.append(DecodeGroup(
-                segment=segment, rows=t.rows_array, write=device_vector(write),
-                table=t.table_array, lengths=lengths, max_length=max_length,
-                run_start=None if t.run_block is None or not self.runs else t.run_block * bs,
-                window=window, ring=None if t.ring0 is None else device_vector(t.ring0 * bs),
-                ring_blocks=None if t.ring0 is None else device_vector(t.ring0),
-            ))
-            for gi, ((table, table_array, caps), w) in enumerate(zip(t.more, windows, strict=True)):
-                write = table[index, pos // bs] * bs + within if caps is None else \
-                    _ring_write(table, caps, pos, bs)
-                more[gi].append(DecodeGroup(
-                    segment=segment, rows=t.rows_array, write=device_vector(write), table=table_array,
-                    lengths=lengths, max_length=max_length, window=w,
-                    ring=None if caps is None else device_vector(caps * bs),
-                    ring_blocks=None if caps is None else device_vector(caps),
+            index = np.arange(len(pos))
+            for gi, (part, group) in enumerate(zip(t.parts, geo.groups, strict=True)):
+                blocks = pos // bs if part.caps is None else (pos // bs) % part.caps
+                per_group[gi].append(DecodeGroup(
+                    segment=segment, rows=t.rows_array,
+                    write=device_vector(part.table[index, blocks] * bs + pos % bs),
+                    table=part.table_array, lengths=lengths, max_length=max_length,
+                    run_start=None if part.run_block is None or not self.runs else part.run_block * bs,
+                    window=group.window, ring=part.ring_slots, ring_blocks=part.ring_blocks,
+                    run_slots=0 if part.caps is None else int(part.caps[0]) * bs,
                 ))
         slots = geo.layer_slots if len(geo.groups) > 1 else ()
-        return DecodePlan(groups, device_vector(positions), self._order, bs, geo.quant, tuple(more), slots,
-                          gather=geo.gather)
+        return DecodePlan(per_group[0], device_vector(positions), self._order, bs, geo.quant,
+                          tuple(per_group[1:]), slots, gather=geo.gather)
 
     def _build(self, allocs: list[Allocation], store: KVStore) -> None:
         by_segment: dict[int, list[int]] = {}
         for i, a in enumerate(allocs):
             by_segment.setdefault(a.segment.id, []).append(i)
         single = len(by_segment) == 1
-        windows = [g.window for g in store.geometry.groups]
         self._groups = []
         for rows in by_segment.values():
             members = [allocs[i] for i in rows]
-            tables = [_padded_tables([a.tables[gi] for a in members]) for gi in range(len(windows))]
-            run = members[0].table if len(members) == 1 and windows[0] is None else None
-            rings = [None if w is None else np.asarray([len(a.tables[gi]) for a in members], dtype=np.int64)
-                     for gi, w in enumerate(windows)]
-            self._groups.append(_GroupTables(
-                rows, None if single else device_vector(rows),
-                tables[0], mx.array(tables[0]), run[0] if run and consecutive(run) else None,
-                tuple((tables[gi], mx.array(tables[gi]), rings[gi]) for gi in range(1, len(windows))),
-                ring0=rings[0],
-            ))
+            parts = []
+            for gi, group in enumerate(store.geometry.groups):
+                tables = [a.tables[gi] for a in members]
+                padded = _padded_tables(tables)
+                run = tables[0] if len(members) == 1 and consecutive(tables[0]) else None
+                caps = None
+                if group.window is not None:
+                    caps = np.asarray([len(t) for t in tables], dtype=np.int64)
+                parts.append(_Tables(
+                    padded, mx.array(padded), run[0] if run else None, caps,
+                    None if caps is None else device_vector(caps * store.block_size),
+                    None if caps is None else device_vector(caps),
+                ))
+            self._groups.append(_GroupTables(rows, None if single else device_vector(rows), tuple(parts)))
         self._order = None
         if not single:
             flat = np.concatenate([np.asarray(r) for r in by_segment.values()])
@@ -435,11 +439,6 @@ def _padded_tables(tables: list[list[int]]) -> np.ndarray:
     for j, t in enumerate(tables):
         out[j, : len(t)] = t
     return out
-
-
-def _ring_write(table: np.ndarray, caps: np.ndarray, pos: np.ndarray, block_size: int) -> np.ndarray:
-    """Each row's slot for position `pos` in its ring of `caps` blocks."""
-    return table[np.arange(len(pos)), (pos // block_size) % caps] * block_size + pos % block_size
 
 
 def table_width(capacity: int) -> int:

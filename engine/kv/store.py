@@ -64,10 +64,14 @@ CUDA_SEGMENT_FRACTION = 8
 CUDA_SEGMENT_BYTES = (2 << 30, 16 << 30)
 
 
-def default_segment_tokens(backend: str, bytes_per_token: int, device_bytes: int | None = None) -> int:
-    """A new segment's size in tokens, as the engine picks it for a backend."""
+def default_segment_tokens(backend: str, bytes_per_token: int, device_bytes: int | None = None,
+                           *, groups: int = 1) -> int:
+    """A new segment's size in tokens, as the engine picks it for a backend; `bytes_per_token`
+    is a block's (`KVGeometry.bytes_per_token`) and `groups` how many layer groups' blocks
+    hold all of a token's layers (`memory.paged`): on the CPU, a segment holds the same bytes
+    whatever the grouping."""
     if backend == "cpu":
-        return CPU_SEGMENT_TOKENS
+        return CPU_SEGMENT_TOKENS * groups
     if backend == "cuda" and device_bytes:
         low, high = CUDA_SEGMENT_BYTES
         return max(1, min(max(device_bytes // CUDA_SEGMENT_FRACTION, low), high) // bytes_per_token)

@@ -20,6 +20,7 @@ from mlx_lm.generate import generate_step
 from engine import EngineRequest, LoadedModel, SamplingParams
 from engine.kv import KVGeometry, KVStore, decode_caches, plan_decode, prefill_caches
 from engine.kv.attention import decode_attention
+from engine.kv.cache import DecodeTables
 from engine.speculative import SpeculativeConfig
 from memory import MemoryGuard
 from memory.paged import group_layers, ring_blocks
@@ -49,8 +50,8 @@ def test_group_layers_puts_full_layers_in_one_group_and_windows_in_groups_of_its
     assert ring_blocks(64, 32, 16) == 6  # 63 + 32 positions in distinct slots
 
 
-@pytest.mark.parametrize("kv_bits", [None, 8])
-def test_window_layers_attend_their_band_through_a_wrapped_ring(kv_bits: int | None) -> None:
+@pytest.mark.parametrize(("kv_bits", "runs"), [(None, False), (8, False), (None, True), (8, True)])
+def test_window_layers_attend_their_band_through_a_wrapped_ring(kv_bits: int | None, runs: bool) -> None:
     """Random K/V for 300 positions written through prefill chunks and decode steps into
     rings of 64 slots: every prefill query and every decode row sees exactly its window."""
     window, chunk, heads, dim = 40, 24, 2, 32
@@ -88,8 +89,9 @@ def test_window_layers_attend_their_band_through_a_wrapped_ring(kv_bits: int | N
         store.advance("r", size)
         pos += size
     while pos < total:  # decode steps, the ring wrapping every 64 positions
-        plan = plan_decode(store, [alloc])
+        plan = plan_decode(store, [alloc], DecodeTables(runs=runs))  # runs: a view of the ring
         cache = decode_caches(plan, geometry.num_layers)[0]  # the layer the chunks wrote
+        assert (cache.groups[0].run_start is not None) == runs
         cache.update_and_fetch(mx.array(k[pos])[None, :, None], mx.array(v[pos])[None, :, None])
         q = rng.standard_normal((1, heads, 1, dim)).astype(np.float32)
         out = np.array(decode_attention(mx.array(q), cache, scale))
@@ -118,7 +120,9 @@ def test_a_long_request_reserves_rings_on_window_layers_as_load_admission_comput
 
     walk = walk_single_request(
         window_loaded.geometry, prompt_tokens=prompt_tokens, max_tokens=new_tokens,
-        usage_bytes=0, ceiling_bytes=1 << 40, params=EngineParams(chunk_tokens=STEP),
+        usage_bytes=0, ceiling_bytes=1 << 40,
+        # a CPU segment of 2,048 tokens of all layers: 6,144 token slots of 2-layer blocks
+        params=EngineParams(chunk_tokens=STEP, kv_segment_tokens=2048 * groups),
     )
     assert walk.admitted and walk.reserved_bytes == expected
 
@@ -238,17 +242,18 @@ def test_window_layers_take_the_plain_path_on_cuda_until_the_ring_kernel_is_enab
 def test_a_prompt_longer_than_a_segment_is_found_again_whole(
     make_engine: Callable[..., Harness], window_loaded: LoadedModel
 ) -> None:
-    """A request too long for a default segment (2,048 token slots on the CPU) gets one sized
-    to it, with room for two copies of its rings beside it: the copy at the prompt's end is
-    taken, checkpoints leaving that room free, and the same prompt again resumes there."""
+    """A request too long for a default segment (6,144 token slots of 2-layer blocks on the
+    CPU) gets one sized to it, with room for two copies of its rings beside it: the copy at
+    the prompt's end is taken, checkpoints leaving that room free, and the same prompt
+    again resumes there."""
     h = make_engine(loaded=window_loaded, prefill_step_size=STEP, prefix_cache_bytes=1 << 26)
     store = h.core.store
-    prompt = tuple(random.Random(4).randrange(256) for _ in range(2500))
+    prompt = tuple(random.Random(4).randrange(256) for _ in range(6500))
     out = {}
     for rid in ("first", "again"):
         h.submit(EngineRequest(rid, prompt, 4, SamplingParams(temperature=0.0)))
         h.run_until(lambda rid=rid: rid in h.out.finished, max_steps=2000)
         out[rid] = h.out.tokens[rid]
-    assert store.blocks_for(2504) + 12 > store.segment_blocks  # its own segment
+    assert store.blocks_for(6504) + 12 > store.segment_blocks  # its own segment
     assert out["again"] == out["first"]
     assert h.out.cached["again"] >= len(prompt) - 1 - STEP  # the prompt's end, not a checkpoint
