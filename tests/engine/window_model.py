@@ -72,6 +72,11 @@ def snapshot_spare_bytes(block: int = 16) -> int:
     return 2 * per_copy * block * FULL_LAYERS * BYTES_PER_TOKEN_LAYER
 
 
+def cpu_segment_bytes() -> int:
+    """A default segment on the CPU: 2,048 tokens of every layer, in 2-layer blocks."""
+    return 2048 * LAYERS * BYTES_PER_TOKEN_LAYER
+
+
 def all_full_kv_bytes(tokens: int) -> int:
     """The same sequence if every layer held every token."""
     return LAYERS * -(-tokens // 256) * 256 * BYTES_PER_TOKEN_LAYER

@@ -50,11 +50,13 @@ def test_load_admission_counts_window_layers_at_their_window(window_server: Serv
     assert check["reserve_context_tokens"] == RESERVE
     # from the config: the 2 full layers' 256 blocks of 16 tokens, and the 2 groups of 2
     # window layers a ring of 6 blocks each (63 + 32 positions), at 128 bytes per token per
-    # layer; in a segment of its own, with room for two copies of the rings (24 blocks)
-    expected = (RESERVE // 16 + 2 * 6 + 24) * 16 * 2 * BPL
+    # layer, with room for two copies of the rings (24 blocks): 292 blocks, in a default
+    # segment (2,048 tokens of all 6 layers: 384 blocks of 2 layers)
     reserved = window_model.paged_reserved_kv_bytes(RESERVE, STEP)
-    assert check["reserve_kv_bytes"] == reserved + window_model.snapshot_spare_bytes() == expected
-    assert check["reserve_kv_bytes"] < window_model.all_full_kv_bytes(RESERVE) / 2
+    assert reserved == (RESERVE // 16 + 2 * 6) * 16 * 2 * BPL
+    assert reserved + window_model.snapshot_spare_bytes() < window_model.cpu_segment_bytes()
+    assert check["reserve_kv_bytes"] == window_model.cpu_segment_bytes()
+    assert reserved < window_model.all_full_kv_bytes(RESERVE) / 2
     assert f"KV for {RESERVE} reserved tokens" in check["message"]
 
 
@@ -97,9 +99,8 @@ def test_a_long_requests_kv_figures_are_what_its_caches_hold(window_server: Serv
     # reserved: the full layers' blocks and the window layers' rings, from the config
     assert kv["reserved_bytes"] == window_model.paged_reserved_kv_bytes(total, STEP)
     assert kv["reserved_bytes"] < window_model.all_full_kv_bytes(total) / 2
-    # held: the one segment the request lives in, sized to it and to two copies of its
-    # rings (more than the 2,048 token slots of a default segment on the CPU)
+    # held: the one default segment the request lives in
     held = kv["pool_bytes"]
-    assert held == kv["reserved_bytes"] + window_model.snapshot_spare_bytes() > 2048 * 2 * BPL
+    assert held == window_model.cpu_segment_bytes() > kv["reserved_bytes"]
     assert seen["kv_bytes"] == held
     wait_until(lambda: memory(url)["kv"]["reserved_bytes"] == 0)
