@@ -287,12 +287,17 @@ class EngineCore:
                 self.store, max_bytes=config.prefix_cache_bytes, min_hit_tokens=self.store.block_size,
             )
         self._prefix_budget = 0  # what the cache may hold now (the last upkeep's room)
-        if config.prefix_cache_dir and isinstance(self.store, KVStore) and config.prefix_cache_bytes != 0 \
-                and not self.store.geometry.windowed and not self.store.geometry.gather:
-            self.prefix_cache.disk = open_disk_tier(config.prefix_cache_dir, config.prefix_cache_disk_bytes,
-                                                    loaded.path, self.store)
-            self.prefix_cache.prefill_rate = self._prefill_rate
-            self.prefix_cache.prefill_seconds = self._prefill_seconds
+        if config.prefix_cache_dir and config.prefix_cache_bytes != 0:
+            geo = getattr(self.store, "geometry", None)
+            if isinstance(self.store, KVStore) and not geo.windowed and not geo.gather:
+                self.prefix_cache.disk = open_disk_tier(
+                    config.prefix_cache_dir, config.prefix_cache_disk_bytes, loaded.path, self.store)
+                self.prefix_cache.prefill_rate = self._prefill_rate
+                self.prefix_cache.prefill_seconds = self._prefill_seconds
+            else:  # its blocks are copies of rings, keys and values of two widths, or no blocks
+                log.warning("prefix cache: no disk tier for %s (%s): --prefix-cache-dir is ignored",
+                            loaded.model_id, "window layers" if geo is not None and geo.windowed else
+                            "keys and values of two widths" if geo is not None else "mlx-lm's own caches")
         self.batch: Runner | DenseRunner
         if isinstance(self.store, DenseStore):
             checkpoints = self.prefix_cache if isinstance(self.prefix_cache, DensePrefixCache) else None

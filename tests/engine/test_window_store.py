@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -257,3 +258,15 @@ def test_a_prompt_longer_than_a_segment_is_found_again_whole(
     assert store.blocks_for(6504) + 12 > store.segment_blocks  # its own segment
     assert out["again"] == out["first"]
     assert h.out.cached["again"] >= len(prompt) - 1 - STEP  # the prompt's end, not a checkpoint
+
+
+def test_a_disk_tier_asked_for_a_window_model_is_refused_aloud(
+    make_engine: Callable[..., Harness], window_loaded: LoadedModel, tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its cached blocks are copies of rings, which the disk tier's files do not hold: the
+    cache stays in memory, and the log says that --prefix-cache-dir is ignored."""
+    with caplog.at_level("WARNING", logger="mlx_headroom.engine"):
+        h = make_engine(loaded=window_loaded, prefill_step_size=STEP, prefix_cache_dir=str(tmp_path))
+    assert h.core.prefix_cache.disk is None
+    assert "--prefix-cache-dir is ignored" in caplog.text and "window layers" in caplog.text
