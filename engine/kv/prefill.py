@@ -78,20 +78,28 @@ class PrefillPlan:
     inputs: mx.array  # [B, T] uint32, right-padded with 0
     starts: mx.array  # [B] int32: position of each row's first chunk token (RoPE offset)
     valid: mx.array  # [N] int32: real tokens' indices into the flattened [B × T]
-    write: mx.array  # [N] int32: their slots in the segment (the first layer group's)
-    read: mx.array  # [B, H, L] int32: rows of the pool seen as [slots × H, D]
-    mask: mx.array | str  # [B, 1, T, L] additive, model's dtype; "causal" when every row is the same shape
+    parts: tuple[GroupPart, ...]  # each layer group's addressing (`KVGeometry.groups`)
     quant: KVQuant | None = None  # the pool's rows are quantized (engine.kv.quant)
-    more: tuple[GroupPart, ...] = ()  # the other layer groups' (`KVGeometry.groups`)
     layer_slots: tuple[tuple[int, int], ...] = ()  # (layer group, slot) per layer; () = (0, layer)
-    window: int | None = None  # the first group's window (a model of window layers only)
-    first: GroupPart | None = None  # the first group's part, as built
+
+    @property
+    def write(self) -> mx.array:
+        """[N] int32: the real tokens' slots in the segment (the first layer group's)."""
+        return self.parts[0].write
+
+    @property
+    def read(self) -> mx.array:
+        """[B, H, L] int32: rows of the pool seen as [slots × H, D] (the first group's)."""
+        return self.parts[0].read
+
+    @property
+    def mask(self) -> mx.array | str:
+        """[B, 1, T, L] additive, model's dtype; "causal" when every row is the same shape."""
+        return self.parts[0].mask
 
     def of_layer(self, layer: int) -> tuple[GroupPart, int]:
         gi, slot = self.layer_slots[layer] if self.layer_slots else (0, layer)
-        if gi == 0:
-            return self.first or GroupPart(self.write, self.read, self.mask, self.window), slot
-        return self.more[gi - 1], slot
+        return self.parts[gi], slot
 
 
 def plan_prefill(store: KVStore, rows: Seq[PrefillRow]) -> PrefillPlan:
@@ -115,20 +123,14 @@ def plan_prefill(store: KVStore, rows: Seq[PrefillRow]) -> PrefillPlan:
         else _window_part(store, rows, starts, lengths, t, gi, group.window)
         for gi, group in enumerate(geo.groups)
     ]
-    first = parts[0]
     return PrefillPlan(
         segment=segment,
         inputs=mx.array(inputs),
         starts=mx.array(starts.astype(np.int32)),
         valid=mx.array(np.concatenate(valid).astype(np.int32)),
-        write=first.write,
-        read=first.read,
-        mask=first.mask,
+        parts=tuple(parts),
         quant=geo.quant,
-        more=tuple(parts[1:]),
         layer_slots=geo.layer_slots if len(geo.groups) > 1 else (),
-        window=first.window,
-        first=first,
     )
 
 
