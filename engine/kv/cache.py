@@ -41,8 +41,7 @@ class PrefillCache:
                  mask_dtype: mx.Dtype = mx.float32) -> None:
         self.segment = segment
         self.layer = layer  # the layer's array in the segment (its slot in its group)
-        self.window = window  # a window group's: `mask` is its band over the keys read
-        self._keys = width  # a window group's: the keys it reads
+        self.window = window  # a window group's: `mask` is its band over the `width` keys read
         self._start = offset
         self._mask_dtype = mask_dtype
         self.offset = offset
@@ -92,13 +91,9 @@ class PrefillCache:
         if band == self.window and not (return_array and isinstance(self._mask, str)):
             return self._mask
         start = self._start
-        low = start + n - self._keys
-        mask = window_mask(np.asarray([start]), np.asarray([n]), np.asarray([low]), n, self._keys, band,
-                           self._mask_dtype)
-        if isinstance(mask, str):  # the array of the same band, where the model asks one
-            mask = window_mask(np.asarray([start]), np.asarray([n]), np.asarray([low]), n, self._keys,
-                               band, self._mask_dtype, array=True)
-        return mask
+        low = start + n - self._width
+        return window_mask(np.asarray([start]), np.asarray([n]), np.asarray([low]), n, self._width, band,
+                           self._mask_dtype, array=True)
 
 
 def pool_rows(pool: mx.array) -> mx.array:
@@ -263,13 +258,9 @@ class DecodeGroup:
         additive in `dtype` (`engine.kv.masks.additive_mask` says why). In a ring, slot r
         of a row at position p holds position p - ((p - r) mod ring): seen if that is at
         most `window - 1` back and not before position 0."""
-        if self.read is None:
+        if self.mask is None:
             nb = self.plain_blocks(block_size)
-            table = self.table[:, :nb]
-            within = mx.arange(block_size, dtype=mx.int32)
-            slots = (table[:, :, None] * block_size + within[None, None, :]).reshape(table.shape[0], -1)
-            heads = mx.arange(kv_heads, dtype=mx.int32)
-            self.read = slots[:, None, :] * kv_heads + heads[None, :, None]
+            self.gather_rows(block_size, nb, kv_heads)
             positions = mx.arange(nb * block_size, dtype=mx.int32)[None, :]
             if self.ring is None:
                 seen = positions < self.lengths[:, None]
@@ -278,7 +269,7 @@ class DecodeGroup:
                 back = mx.remainder(last - positions, ring)
                 seen = (positions < ring) & (back <= last) & (back < (self.window or 0))
             self.mask = additive_mask(seen[:, None, None, :], dtype)
-        assert self.mask is not None
+        assert self.read is not None and self.mask is not None
         return self.read, self.mask
 
 
