@@ -71,6 +71,12 @@ def snapshot_blocks(groups: Sequence[PagedGroup], block: int) -> int:
     return len(windows) * (-(-span // block) + 1)
 
 
+def snapshot_spare(groups: Sequence[PagedGroup], block: int) -> int:
+    """Blocks a new segment keeps beside its request for `SNAPSHOTS_PER_SEGMENT` copies of
+    its rings (0 without window groups)."""
+    return SNAPSHOTS_PER_SEGMENT * snapshot_blocks(groups, block)
+
+
 def group_blocks(group: PagedGroup, tokens: int, block: int, chunk: int) -> int:
     """Blocks a request of ``tokens`` holds in ``group``."""
     need = -(-max(tokens, 1) // block)
@@ -90,10 +96,6 @@ class PagedLayout:
         return max(len(g.layers) for g in self.groups)
 
     @property
-    def windowed(self) -> bool:
-        return any(g.window is not None for g in self.groups)
-
-    @property
     def block_bytes_per_token(self) -> int:
         """Bytes of one token slot of a block (`slots` layers): what the store's segment
         sizes divide by."""
@@ -110,9 +112,9 @@ class PagedLayout:
         return sum(group_blocks(g, tokens, block, chunk) for g in self.groups)
 
     def segment_blocks(self, need: int, block: int) -> int:
-        """A new segment's blocks for a request of `need` blocks: with room for
-        `SNAPSHOTS_PER_SEGMENT` copies of its rings beside it."""
-        return need + SNAPSHOTS_PER_SEGMENT * snapshot_blocks(self.groups, block)
+        """A new segment's blocks for a request of `need` blocks: with room for copies of its
+        rings beside it (`snapshot_spare`)."""
+        return need + snapshot_spare(self.groups, block)
 
     def bytes_for(self, tokens: int, block: int, chunk: int) -> int:
         """What a request of ``tokens`` reserves: its blocks in every group."""

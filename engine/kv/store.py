@@ -39,14 +39,8 @@ import numpy as np
 from engine.kv.blocks import BlockAllocator, consecutive
 from engine.kv.buckets import KeyLengths
 from engine.kv.quant import KVQuant
-from memory.paged import (
-    SNAPSHOTS_PER_SEGMENT,
-    PagedGroup,
-    group_blocks,
-    group_layers,
-    ring_blocks,
-    snapshot_blocks,
-)
+from memory.paged import PagedGroup, group_blocks, group_layers, ring_blocks
+from memory.paged import snapshot_spare as spare_blocks
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_SEGMENT_BYTES = 2 << 30
@@ -395,7 +389,7 @@ class KVStore:
     def snapshot_spare(self) -> int:
         """Blocks a new segment keeps for copies of the rings at a prompt's and at a
         conversation's end: a checkpoint's copy leaves them free."""
-        return SNAPSHOTS_PER_SEGMENT * snapshot_blocks(self.geometry.groups, self.block_size)
+        return spare_blocks(self.geometry.groups, self.block_size)
 
     def _snapshot_windows(self, alloc: Allocation, tokens: int, leave_free: int = 0
                           ) -> tuple[tuple[tuple[int, ...] | None, ...], int] | None:
@@ -412,8 +406,7 @@ class KVStore:
         if alloc.segment.blocks.free < (last - first) * len(groups) + leave_free:
             return None
         fresh = alloc.segment.blocks.allocate((last - first) * len(groups))
-        if fresh is None:
-            return None
+        assert fresh is not None  # the free blocks were counted above
         per_block = [tuple(fresh[(i - first) * len(groups) : (i - first + 1) * len(groups)])
                      for i in range(first, last)]
         pos = np.arange(start, tokens)
@@ -422,9 +415,7 @@ class KVStore:
         for j, ((_, group), ring) in enumerate(zip(groups, rings, strict=True)):
             src = mx.array(ring_slots(ring, bs, start, tokens).astype(np.int32))
             dst = mx.array((dst_blocks[:, j] * bs + pos % bs).astype(np.int32))
-            for slot in range(len(group.layers)):
-                seg.keys[slot][dst] = seg.keys[slot][src]
-                seg.values[slot][dst] = seg.values[slot][src]
+            _copy_rows(seg, src, seg, dst, len(group.layers))
         mx.eval(seg.arrays())
         return (None,) * first + tuple(per_block), start
 
@@ -446,9 +437,7 @@ class KVStore:
         for j, (gi, group) in enumerate(self._window_groups()):
             src = mx.array((src_blocks[:, j] * bs + pos % bs).astype(np.int32))
             dst = mx.array(ring_slots(alloc.tables[gi], bs, start, t).astype(np.int32))
-            for slot in range(len(group.layers)):
-                dst_seg.keys[slot][dst] = src_seg.keys[slot][src]
-                dst_seg.values[slot][dst] = src_seg.values[slot][src]
+            _copy_rows(src_seg, src, dst_seg, dst, len(group.layers))
         mx.eval(dst_seg.arrays())
 
     def drop_prefix(self, prefix: SharedPrefix) -> None:
@@ -612,9 +601,7 @@ class KVStore:
         src = slots_of(list(shared.blocks), self.block_size, shared.tokens, start=start)
         dst = slots_of(alloc.table, self.block_size, shared.tokens, start=start)
         dst_seg = alloc.segment
-        for layer in range(self.geometry.block_layers):
-            dst_seg.keys[layer][dst] = src_seg.keys[layer][src]
-            dst_seg.values[layer][dst] = src_seg.values[layer][src]
+        _copy_rows(src_seg, src, dst_seg, dst, self.geometry.block_layers)
         mx.eval(dst_seg.arrays())
 
 
@@ -628,6 +615,11 @@ def ring_slots(ring: Iterable[int], block_size: int, start: int, end: int) -> np
 
 def slots_of(table: list[int], block_size: int, tokens: int, start: int = 0) -> mx.array:
     """Pool slots of token positions [start, tokens) of a request with block table `table`."""
-    pos = np.arange(start, tokens)
-    t = np.asarray(table, dtype=np.int64)
-    return mx.array((t[pos // block_size] * block_size + pos % block_size).astype(np.int32))
+    return mx.array(ring_slots(table, block_size, start, tokens).astype(np.int32))
+
+
+def _copy_rows(src: Segment, src_slots: mx.array, dst: Segment, dst_slots: mx.array, layers: int) -> None:
+    """Copy the K/V rows of `src_slots` to `dst_slots` in the first `layers` arrays."""
+    for layer in range(layers):
+        dst.keys[layer][dst_slots] = src.keys[layer][src_slots]
+        dst.values[layer][dst_slots] = src.values[layer][src_slots]
