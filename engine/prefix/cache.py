@@ -349,9 +349,8 @@ class PrefixCache:
             if node is not None and node.segment_id != seg and i < len(prefix.blocks) - 1:
                 # The chain goes on in the request's segment: move the node there, so that a
                 # hit on the whole chain lends blocks of one segment.
-                self._release(node)
+                self._release(node)  # its snapshot too: one lives in its node's segment
                 node.segment_id, node.block = seg, block
-                node.windows = None  # a snapshot lives in its node's segment
                 self._hold(node)
                 self._adopt_windows(node, snapshot, prefix.window_from, surplus)
             elif node is not None:
@@ -388,24 +387,15 @@ class PrefixCache:
         if node.windows is not None and node.window_from <= max(window_from, start):
             surplus.extend(snapshot)
             return
-        if node.windows is not None:
-            self._release_windows(node)
+        self._release_windows(node)
         node.windows, node.window_from = snapshot, window_from
-        held = self._by_segment.setdefault(node.segment_id, {})
-        for b in snapshot:
-            held[b] = held.get(b, 0) + 1
+        self._count(node.segment_id, snapshot, 1)
         self._window_blocks += len(snapshot)
 
     def _release_windows(self, node: _Node) -> None:
         if node.windows is None:
             return
-        held = self._by_segment[node.segment_id]
-        for b in node.windows:
-            held[b] -= 1
-            if not held[b]:
-                del held[b]
-        if not held:
-            del self._by_segment[node.segment_id]
+        self._count(node.segment_id, node.windows, -1)
         self.store.drop_prefix(SharedPrefix(node.segment_id, node.windows, 0))
         self._window_blocks -= len(node.windows)
         node.windows = None
@@ -574,18 +564,22 @@ class PrefixCache:
         self._release(node)
 
     def _hold(self, node: _Node) -> None:
-        held = self._by_segment.setdefault(node.segment_id, {})
-        held[node.block] = held.get(node.block, 0) + 1
+        self._count(node.segment_id, (node.block,), 1)
 
     def _release(self, node: _Node) -> None:
         self._release_windows(node)
-        held = self._by_segment[node.segment_id]
-        held[node.block] -= 1
-        if not held[node.block]:
-            del held[node.block]
-            if not held:
-                del self._by_segment[node.segment_id]
+        self._count(node.segment_id, (node.block,), -1)
         self.store.drop_prefix(SharedPrefix(node.segment_id, (node.block,), 0))
+
+    def _count(self, segment_id: int, blocks: Seq[int], by: int) -> None:
+        """Add `by` to the cache's holds on `blocks` of a segment (`_by_segment`)."""
+        held = self._by_segment.setdefault(segment_id, {})
+        for b in blocks:
+            held[b] = held.get(b, 0) + by
+            if not held[b]:
+                del held[b]
+        if not held:
+            del self._by_segment[segment_id]
 
     def _cache_only_segments(self) -> list[tuple[int, int]]:
         only = getattr(self.store, "cache_only_segments", None)
