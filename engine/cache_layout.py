@@ -102,13 +102,20 @@ class CacheLayout:
     batched: bool = True  # the forward takes rows with per-row cache offsets
 
     @cached_property
+    def _one_per_layer(self) -> bool:
+        """One cache entry per layer (no layer reading another's cache, as afm7's KV-reuse
+        layers do, none running twice, as iquestloopcoder's), rows batched: what every paged
+        case needs."""
+        if not self.layers or len(self.layers) != self.entries or not self.batched:
+            return False
+        return not (self.model_layers and self.model_layers != self.entries)
+
+    @cached_property
     def plain_kv(self) -> bool:
         """Every entry a plain full `KVCache`, keys and values of one shape, one per layer
         (no layer reading another's cache, as afm7's KV-reuse layers do), rows batched: the
         paged store."""
-        if not self.layers or len(self.layers) != self.entries or not self.batched:
-            return False
-        if self.model_layers and self.model_layers != self.entries:
+        if not self._one_per_layer:
             return False
         first = self.layers[0]
         return all(
@@ -123,9 +130,7 @@ class CacheLayout:
         its keys' and values' widths: the paged store can hold it and hand each decode row's
         K/V back to the model's own attention (MLA: a latent key and a rotary value of other
         widths than the config's heads, `KVGeometry.gather`)."""
-        if not self.layers or len(self.layers) != self.entries or not self.batched:
-            return False
-        if self.model_layers and self.model_layers != self.entries:
+        if not self._one_per_layer:
             return False
         first = self.layers[0]
         return first.key_dim > 0 and first.value_dim > 0 and all(
@@ -140,9 +145,7 @@ class CacheLayout:
         groups (`memory.paged`): every entry a plain `KVCache` or a `RotatingKVCache` that
         keeps no leading tokens, keys and values of one shape, one per layer, rows
         batched. None otherwise (and for a model of full layers only: `plain_kv`)."""
-        if not self.layers or len(self.layers) != self.entries or not self.batched:
-            return None
-        if self.model_layers and self.model_layers != self.entries:
+        if not self._one_per_layer:
             return None
         first = self.layers[0]
         if not all(
