@@ -232,11 +232,12 @@ class EngineCore:
         self.guard = guard
         self.config = config
         self.publish = publish
-        # The paged store takes plain attention through mlx-lm's shared function; every
-        # other cache kind is served through mlx-lm's own caches (engine.dense).
+        # The paged store takes plain attention through mlx-lm's shared function, or a
+        # model's own attention on gathered K/V (`KVGeometry.gather`); every other cache kind
+        # is served through mlx-lm's own caches (engine.dense).
         kv = quantized_kv(loaded, config)
         self.store: KVStore | DenseStore
-        if kv is not None and install_attention_hook(self.model):
+        if kv is not None and (install_attention_hook(self.model) or kv.gather):
             segment_tokens = config.kv_segment_tokens
             if segment_tokens is None:
                 segment_tokens = default_segment_tokens(loaded.backend, kv.bytes_per_token,

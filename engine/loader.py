@@ -16,6 +16,7 @@ from engine.cache_layout import CacheLayout, geometry_for, probe_cache_layout
 from engine.context import context_limits
 from engine.fusion import fuse_projections as fuse
 from engine.kv import KVGeometry
+from engine.kv.attention import attends_through_shared_sdpa
 from engine.named_models import resolve_source
 from memory import ModelGeometry
 
@@ -72,18 +73,21 @@ class LoadedModel:
     def kv_geometry(self, windows: bool = True, gather: bool = True) -> KVGeometry | None:
         """The paged KV store's shape, read from the model's caches: plain `KVCache`s of the
         config's heads and dims, with `windows` sliding-window `RotatingKVCache`s among them,
-        and with `gather` plain `KVCache`s of one shape whatever their heads and widths (MLA).
+        and with `gather` plain `KVCache`s of one shape whatever their heads and widths (MLA),
+        or of the config's heads where the model computes its own scores (Gemma 2).
         None for the rest (`engine.dense` serves those)."""
         layout = self.cache_layout()
         paged_windows = layout.paged_windows if windows else None
         first = layout.layers[0] if layout.layers else None
         if first is not None and (layout.plain_kv or paged_windows is not None) \
-                and (first.kv_heads, first.key_dim) == (self.geometry.num_kv_heads, self.geometry.head_dim):
+                and (first.kv_heads, first.key_dim) == (self.geometry.num_kv_heads, self.geometry.head_dim) \
+                and attends_through_shared_sdpa(self.model):
             return KVGeometry(layout.entries, first.kv_heads, first.key_dim, layout.dtype,
                               windows=paged_windows or ())
         if first is not None and gather and layout.paged_gather:
-            # MLA and the like: what the cache stores is not what the config's heads attend,
-            # so the model's own attention runs on each row's gathered K/V
+            # MLA and the like: what the cache stores is not what the config's heads attend
+            # (or the model computes its scores itself, Gemma 2), so the model's own
+            # attention runs on each row's gathered K/V
             return KVGeometry(layout.entries, first.kv_heads, first.key_dim, layout.dtype,
                               value_dim=first.value_dim, gather=True)
         return None

@@ -173,18 +173,30 @@ def install_attention_hook(model: Any) -> int:
     Returns how many modules were rebound; zero means the model's attention does not go
     through mlx-lm's shared function, and the paged store cannot serve it.
     """
+    modules = _attention_modules(model)
+    for module in modules:
+        module.scaled_dot_product_attention = paged_scaled_dot_product_attention
+    return len(modules)
+
+
+def attends_through_shared_sdpa(model: Any) -> bool:
+    """Whether the model's attention calls mlx-lm's shared `scaled_dot_product_attention`,
+    which the paged store answers from the pool; a model that computes its scores itself
+    (Gemma 2's soft-capping) attends each decode row's gathered K/V instead."""
+    return bool(_attention_modules(model))
+
+
+def _attention_modules(model: Any) -> list[Any]:
+    """The modules defining the model's layers that name mlx-lm's attention function (or
+    this module's, rebound already)."""
     original = _original()
-    names = {type(m).__module__ for m in _modules(model)}
-    rebound = 0
-    for name in sorted(names):
+    found = []
+    for name in sorted({type(m).__module__ for m in _modules(model)}):
         module = sys.modules.get(name)
         fn = getattr(module, "scaled_dot_product_attention", None)
-        if fn is original:
-            module.scaled_dot_product_attention = paged_scaled_dot_product_attention
-            rebound += 1
-        elif fn is paged_scaled_dot_product_attention:
-            rebound += 1
-    return rebound
+        if fn is original or fn is paged_scaled_dot_product_attention:
+            found.append(module)
+    return found
 
 
 def _original() -> Callable[..., mx.array]:

@@ -43,9 +43,12 @@ PAGED_WINDOWS = {
     "spark2_5",
 }
 
-# Types whose caches are not the config's heads (MLA's latent keys and rotary values): held
-# in the paged store, each decode row's K/V gathered for the model's own attention.
-PAGED_GATHER = {"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "kimi_k25", "kimi_vl", "mistral4", "plamo"}
+# Types whose caches are not the config's heads (MLA's latent keys and rotary values), or
+# whose attention computes its scores itself (Gemma 2's soft-capping): held in the paged
+# store, each decode row's K/V gathered for the model's own attention.
+PAGED_GATHER = {
+    "deepseek_v2", "deepseek_v3", "gemma2", "glm4_moe_lite", "kimi_k25", "kimi_vl", "mistral4", "plamo",
+}
 
 # Types whose mlx-lm forward fails on its own (nothing to compare against): the test checks
 # that generate_step still fails, so that a fixed mlx-lm puts the type back in the matrix.
