@@ -29,7 +29,8 @@ import mlx.core as mx
 
 from engine.compiled_decode import CompiledDecode
 from engine.kv import KVStore, decode_caches, plan_decode, prefill_caches
-from engine.kv.cache import DecodeTables
+from engine.kv.cache import DecodeTables, PrefillCache
+from engine.kv.plan_ahead import plan_ahead
 from engine.kv.prefill import PrefillRow, batch_prefill_caches, group_by_segment, plan_prefill
 from engine.kv.store import Allocation
 from engine.prompt_scoring import score_chunk
@@ -112,6 +113,14 @@ class ReadsEarly:
         return tokens
 
 
+def _records_first_full(caches: list[PrefillCache]) -> None:
+    """Ask the first full layer's cache read as a view to keep its attention call."""
+    for cache in caches:
+        if cache.window is None and cache.run_start is not None:
+            cache.records_call = True
+            return
+
+
 def step_tokens(step: SampledStep, seqs: list[Sequence], tokens: list[int]) -> list[StepToken]:
     """The first len(tokens) rows' tokens of a read step, with their logprobs."""
     emitting = seqs[: len(tokens)]
@@ -155,6 +164,8 @@ class Runner(ReadsEarly):
         self.prefill_wait_s = 0.0
         self.queue_s = 0.0  # inside mx.async_eval of decode steps (see _queue)
         self.settle_s = 0.0  # of those waits, for a queued decode step before a write (settle)
+        self.last_chunk_s = 0.0  # the last lone prefill chunk's time on the device, once queued
+        self.planned_ahead = 0  # chunks whose shape was planned during the chunk before
         # Tensor parallel: every rank feeds back rank 0's tokens (engine.distributed).
         self.agree: Callable[[SampledStep], SampledStep] | None = None
         # Speculative decoding (engine.speculative): while the batch is small, rows with drafts
@@ -178,10 +189,12 @@ class Runner(ReadsEarly):
         """
         rows = []
         calls = 0
+        more: dict[str, int] = {}  # prompt tokens each request has left after this chunk
         for seq, tokens in chunks:
             alloc = self.store.get(seq.request_id)
             start = alloc.length
             row = PrefillRow(alloc, tuple(seq.request.prompt_tokens[start : start + tokens]))
+            more[seq.request_id] = len(seq.request.prompt_tokens) - start - tokens
             if seq.scores_prompt:
                 self._prefill_scored(seq, row)  # alone: its logits are read, row by row
                 calls += 1
@@ -190,10 +203,15 @@ class Runner(ReadsEarly):
         layers = self.store.geometry.num_layers
         for group in group_by_segment(rows) if self.prefill_batch > 1 else [[r] for r in rows]:
             for part in _batches(group, self.prefill_batch):
+                ahead: list[PrefillCache] = []
                 if len(part) == 1:
                     r = part[0]
                     chunk = mx.array(r.tokens)[None]
-                    self.model(chunk, cache=prefill_caches(self.store, r.alloc, len(r.tokens)))
+                    caches = prefill_caches(self.store, r.alloc, len(r.tokens))
+                    if more[r.alloc.request_id] >= len(r.tokens) and self._plans_hide():
+                        ahead = caches
+                        _records_first_full(caches)
+                    self.model(chunk, cache=caches)
                 else:
                     plan = plan_prefill(self.store, part)
                     self.model(plan.inputs, cache=batch_prefill_caches(plan, layers))
@@ -202,11 +220,31 @@ class Runner(ReadsEarly):
                 # let that step finish first, or MLX would copy the segment's arrays.
                 started = time.perf_counter()
                 self.settle()
-                mx.eval(part[0].alloc.segment.arrays())
+                arrays = part[0].alloc.segment.arrays()
+                if ahead:
+                    # queued first: the next chunk's plan is built while the device runs it
+                    mx.async_eval(*arrays)
+                    launched = time.perf_counter()
+                    planning = plan_ahead(self.store, part[0].alloc, ahead, len(part[0].tokens))
+                    mx.eval(*arrays, *([planning] if planning is not None else []))
+                    self.last_chunk_s = time.perf_counter() - launched
+                    self.planned_ahead += planning is not None
+                else:
+                    launched = time.perf_counter()
+                    mx.eval(*arrays)
+                    if len(part) == 1:
+                        self.last_chunk_s = time.perf_counter() - launched
                 self.prefill_wait_s += time.perf_counter() - started
         for seq, tokens in chunks:
             self.store.advance(seq.request_id, tokens)
         return calls
+
+    def _plans_hide(self) -> bool:
+        """Whether planning the next chunk's shape would be hidden behind this one: where
+        shapes are planned at all, and the last lone chunk kept the device busy for longer
+        than a plan takes (`engine.kv.plan_ahead`)."""
+        lengths = self.store.key_lengths
+        return lengths.bucket > 0 and lengths.plan_ms > 0 and self.last_chunk_s * 1e3 >= lengths.plan_ms
 
     def _prefill_scored(self, seq: Sequence, row: PrefillRow) -> None:
         """A chunk of a request that scores its prompt: the single-request call, whose

@@ -26,7 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.kv.cache import DecodeCache, DecodeGroup, pool_rows, run_view
+from engine.kv.cache import DecodeCache, DecodeGroup, PrefillCache, pool_rows, run_view
 from engine.kv.cuda_decode import decode_span, paged_decode, partition_split
 from engine.kv.quant import KVQuant
 
@@ -70,6 +70,8 @@ def paged_scaled_dot_product_attention(
             return _original()(queries, keys, values, cache=None, scale=scale,
                                mask=_written_only(mask, cache), sinks=sinks)
         return decode_attention(queries, cache, scale, sinks)
+    if isinstance(cache, PrefillCache) and cache.records_call:
+        cache.call = (queries, scale, mask, sinks)
     return _original()(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 

@@ -102,7 +102,7 @@ class KeyLengths:
     def keys(self, queries: int, end: int, rows: int = 1) -> int:
         """The keys a call of `rows` × `queries` queries ending at position `end` attends."""
         padded = padded_keys(end, self.bucket)
-        if padded == end or (rows, queries, end) in self._planned:
+        if padded == end or self.is_planned(queries, end, rows):
             return end
         if rows * queries < EXACT_MIN_QUERIES:
             return padded
@@ -127,11 +127,19 @@ class KeyLengths:
             self.padded_calls += 1
         elif keys != padded_keys(keys, self.bucket):
             self.exact_calls += 1
-            shape = (rows, queries, keys)
-            self._planned[shape] = None
-            self._planned.move_to_end(shape)
-            while len(self._planned) > PLANNED_SHAPES:
-                self._planned.popitem(last=False)
+            self.planned(queries, keys, rows)
+
+    def planned(self, queries: int, end: int, rows: int = 1) -> None:
+        """Note that a call of this shape over its exact keys has its plan (it ran, or
+        `engine.kv.plan_ahead` planned it): later calls of it attend exact keys."""
+        shape = (rows, queries, end)
+        self._planned[shape] = None
+        self._planned.move_to_end(shape)
+        while len(self._planned) > PLANNED_SHAPES:
+            self._planned.popitem(last=False)
+
+    def is_planned(self, queries: int, end: int, rows: int = 1) -> bool:
+        return (rows, queries, end) in self._planned
 
     def report(self) -> dict[str, float | int | bool]:
         return {"bucket": self.bucket, "plan_ms": round(self.plan_ms, 3), "plan_measured": self.plan_measured,

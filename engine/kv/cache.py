@@ -54,6 +54,25 @@ class PrefillCache:
         # slots long (past the chunk's end where keys are padded: whatever lies there, masked).
         self._run_start = run_start
         self._width = width
+        # The first full layer's cache of a lone request keeps its attention call's
+        # queries, scale, mask and sinks when asked: the runner plans the next chunk's
+        # shape from them (`engine.kv.plan_ahead`).
+        self.records_call = False
+        self.call: tuple[mx.array, float, Any, mx.array | None] | None = None
+
+    @property
+    def run_start(self) -> int | None:
+        """The pool slot the request's K/V run from, where they are read as a view."""
+        return self._run_start
+
+    @property
+    def quant(self) -> KVQuant | None:
+        return self._quant
+
+    @property
+    def padded_mask(self) -> mx.array | None:
+        """The mask over keys padded past the chunk's end (None: the keys are exact)."""
+        return self._mask
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         k = keys[0].transpose(1, 0, 2)  # [T, H, D]
