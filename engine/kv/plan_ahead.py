@@ -35,7 +35,7 @@ def plan_ahead(store: KVStore, alloc: Allocation, caches: list[PrefillCache], to
     plan is needed or the next call would not match it. Evaluating the result plans the
     shape, and the store's `KeyLengths` then takes exact keys for it."""
     cache = next((c for c in caches if c.call is not None), None)
-    if cache is None or cache.run_start is None:
+    if cache is None or cache.run_start is None or not store.prefill_views:
         return None
     queries, scale, mask, sinks = cache.call
     if not (isinstance(mask, str) and mask == "causal") and mask is not cache.padded_mask:
