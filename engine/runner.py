@@ -165,7 +165,6 @@ class Runner(ReadsEarly):
         self.queue_s = 0.0  # inside mx.async_eval of decode steps (see _queue)
         self.settle_s = 0.0  # of those waits, for a queued decode step before a write (settle)
         self.last_chunk_s = 0.0  # the last lone prefill chunk's time on the device, once queued
-        self.planned_ahead = 0  # chunks whose shape was planned during the chunk before
         # Tensor parallel: every rank feeds back rank 0's tokens (engine.distributed).
         self.agree: Callable[[SampledStep], SampledStep] | None = None
         # Speculative decoding (engine.speculative): while the batch is small, rows with drafts
@@ -245,7 +244,6 @@ class Runner(ReadsEarly):
         built = time.perf_counter()
         mx.eval(*arrays, planning)
         done = time.perf_counter()
-        self.planned_ahead += 1
         # The device still ran once the plan was built: the chunk took about the whole wait,
         # and the plan was hidden. Else the chunk ended first, and what is left of the wait
         # is its last part, not its length (below a plan's cost: no plan ahead next time).

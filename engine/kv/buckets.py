@@ -97,6 +97,7 @@ class KeyLengths:
     plan_measured: bool = False  # `plan_ms` was timed on this machine (engine.kv.plan_probe)
     exact_calls: int = 0  # calls that attended exact keys where the bucket would have padded
     padded_calls: int = 0
+    planned_ahead: int = 0  # shapes planned while the chunk before ran (engine.kv.plan_ahead)
     _planned: OrderedDict[tuple[int, int, int], None] = field(default_factory=OrderedDict, repr=False)
 
     def keys(self, queries: int, end: int, rows: int = 1) -> int:
@@ -144,4 +145,5 @@ class KeyLengths:
     def report(self) -> dict[str, float | int | bool]:
         return {"bucket": self.bucket, "plan_ms": round(self.plan_ms, 3), "plan_measured": self.plan_measured,
                 "exact_calls": self.exact_calls, "padded_calls": self.padded_calls,
+                "planned_ahead": self.planned_ahead,
                 "planned_shapes": len(self._planned)}

@@ -52,5 +52,6 @@ def plan_ahead(store: KVStore, alloc: Allocation, caches: list[PrefillCache], to
     seg = cache.segment
     keys, values = run_view(seg.keys[cache.layer], seg.values[cache.layer], cache.run_start, end, cache.quant)
     lengths.planned(tokens, end)
+    lengths.planned_ahead += 1
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask="causal",
                                                 sinks=sinks)

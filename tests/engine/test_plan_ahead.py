@@ -37,10 +37,10 @@ def test_later_chunks_attend_exact_keys_planned_by_the_chunk_before(make_engine)
     ends = [32 * (k + 1) for k in range(2, len(PROMPT) // 32) if len(PROMPT) - 32 * k >= 32]
     planned = [end for end in ends if padded_keys(end, 4096) != end]
     assert len(planned) == 6
-    assert core.batch.planned_ahead == len(planned)
+    assert core.store.key_lengths.planned_ahead == len(planned)
     assert lengths.exact_calls == len(planned)
     padded_tokens, padded_logprobs, padded_core = _run(make_engine, prefill_plan_ms=1e9)
-    assert padded_core.batch.planned_ahead == 0
+    assert padded_core.store.key_lengths.planned_ahead == 0
     assert padded_core.store.key_lengths.exact_calls == 0
     assert tokens == padded_tokens
     assert logprobs == pytest.approx(padded_logprobs, abs=1e-4)
@@ -52,4 +52,4 @@ def test_nothing_is_planned_where_shapes_cost_no_plan(make_engine) -> None:
     h.submit(EngineRequest("long", PROMPT, 4, SamplingParams(temperature=0.0)))
     h.run_until(lambda: "long" in h.out.finished)
     assert h.core.store.key_bucket == 0
-    assert h.core.batch.planned_ahead == 0
+    assert h.core.store.key_lengths.planned_ahead == 0

@@ -162,7 +162,8 @@ def test_the_warm_up_times_a_new_attention_shapes_plan_where_keys_are_padded(mak
     plain = make_engine(prefill_step_size=64)
     warm_up(plain.core)
     assert plain.core.stats.prefill_keys == {"bucket": 0, "plan_ms": 0.0, "plan_measured": False,
-                                             "exact_calls": 0, "padded_calls": 0, "planned_shapes": 0}
+                                             "exact_calls": 0, "padded_calls": 0, "planned_ahead": 0,
+                                             "planned_shapes": 0}
 
 
 def test_calls_are_counted_exact_or_padded(make_engine) -> None:

@@ -205,11 +205,10 @@ def test_prompt_lookup_on_window_layers_verifies_drafts_through_the_rings(
     assert report is not None and report["accepted_tokens"] > 0
 
 
-def test_window_layers_take_the_plain_path_on_cuda_until_the_ring_kernel_is_enabled(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The kernel's ring and sinks variants have not yet run against the plain path on a GPU
-    (`python -m bench.kernel_check`): window layers and sinks stay on the plain path."""
+def test_window_layers_take_the_kernel_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's ring and sinks variants ran against the plain path on a GPU (`python -m
+    bench.kernel_check`): window layers take the kernel on CUDA by default, as full layers
+    do; `use_window_kernel(False)` keeps them on the plain path."""
     from engine.kv import attention
 
     launched: list[int | None] = []
@@ -227,7 +226,7 @@ def test_window_layers_take_the_plain_path_on_cuda_until_the_ring_kernel_is_enab
     q = mx.zeros((1, 2, 1, 32))
     try:
         attention.use_kernel(True)
-        for enabled, expected in ((None, [None]), (True, [None, 16])):  # None: the default
+        for enabled, expected in ((None, [None, 16]), (False, [None])):  # None: the default
             if enabled is not None:
                 attention.use_window_kernel(enabled)
             launched.clear()
@@ -237,7 +236,7 @@ def test_window_layers_take_the_plain_path_on_cuda_until_the_ring_kernel_is_enab
             assert sorted(launched, key=lambda w: w or 0) == expected
     finally:
         attention.use_kernel(None)
-        attention.use_window_kernel(False)
+        attention.use_window_kernel(True)
 
 
 def test_a_prompt_longer_than_a_segment_is_found_again_whole(
