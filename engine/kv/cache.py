@@ -33,7 +33,26 @@ from engine.kv.quant import KVQuant
 from engine.kv.store import Allocation, KVStore, Segment, ring_slots, slots_of
 
 
-class PrefillCache:
+class SharedFetch:
+    """What a layer's `update_and_fetch` returned, kept for the layers that share its cache
+    (Gemma 3n's KV-shared layers call `keys_and_values()` on the owner's cache object, then
+    attend through it under the owner's mask): the same K/V the owner attended. In a decode
+    step those are the inputs, and the rebound attention answers the shared layers from the
+    owner's blocks, as it answers the owner."""
+
+    _fetched: tuple[mx.array, mx.array] | None = None
+
+    def fetched(self, kv: tuple[mx.array, mx.array]) -> tuple[mx.array, mx.array]:
+        self._fetched = kv
+        return kv
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        if self._fetched is None:
+            raise ValueError("a KV-shared layer read its cache before the layer that owns it wrote")
+        return self._fetched
+
+
+class PrefillCache(SharedFetch):
     def __init__(self, segment: Segment, layer: int, offset: int, write: mx.array | None,
                  read: mx.array | None,
                  quant: KVQuant | None = None, mask: mx.array | None = None,
@@ -85,10 +104,11 @@ class PrefillCache:
         seg.values[layer][write] = v if quant is None else quant.encode(v)
         self.offset += keys.shape[2]
         if self._run_start is not None:
-            return run_view(seg.keys[layer], seg.values[layer], self._run_start, self._width, quant)
+            view = run_view(seg.keys[layer], seg.values[layer], self._run_start, self._width, quant)
+            return self.fetched(view)
         k = pool_rows(seg.keys[layer])[self._read][None]
         v = pool_rows(seg.values[layer])[self._read][None]
-        return (k, v) if quant is None else (quant.decode(k), quant.decode(v))
+        return self.fetched((k, v) if quant is None else (quant.decode(k), quant.decode(v)))
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
         if self.window is not None:
@@ -470,7 +490,7 @@ def plan_decode(store: KVStore, allocs: list[Allocation], tables: DecodeTables |
     return (tables or DecodeTables()).plan(store, allocs)
 
 
-class DecodeCache:
+class DecodeCache(SharedFetch):
     def __init__(self, plan: DecodePlan, layer: int) -> None:
         self.plan = plan
         self.layer = layer
@@ -491,8 +511,8 @@ class DecodeCache:
             g.segment.keys[self.slot][g.write] = k
             g.segment.values[self.slot][g.write] = v
         if self.plan.gather:  # the model attends itself, over every row's K/V
-            return self.plan.gathered(self.groups, self.slot)
-        return keys, values
+            return self.fetched(self.plan.gathered(self.groups, self.slot))
+        return self.fetched((keys, values))
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
         if self.plan.gather and n == 1 and window_size is None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from engine.kv.cache import band_allowed, pool_rows, window_mask
+from engine.kv.cache import SharedFetch, band_allowed, pool_rows, window_mask
 from engine.kv.masks import additive_mask
 from engine.kv.quant import KVQuant
 from engine.kv.store import Allocation, KVStore, Segment, ring_slots
@@ -200,7 +200,7 @@ def needs_array_mask(starts: Seq[int], lengths: Seq[int]) -> bool:
     return len(set(starts)) > 1 or len(set(lengths)) > 1
 
 
-class BatchPrefillCache:
+class BatchPrefillCache(SharedFetch):
     """One layer's view of a batched prefill call (see the module docstring)."""
 
     def __init__(self, plan: PrefillPlan, layer: int) -> None:
@@ -218,7 +218,7 @@ class BatchPrefillCache:
         seg.values[layer][part.write] = v if quant is None else quant.encode(v)
         k = pool_rows(seg.keys[layer])[part.read]
         v = pool_rows(seg.values[layer])[part.read]
-        return (k, v) if quant is None else (quant.decode(k), quant.decode(v))
+        return self.fetched((k, v) if quant is None else (quant.decode(k), quant.decode(v)))
 
     def make_mask(
         self, n: int, return_array: bool = False, window_size: int | None = None

@@ -38,7 +38,7 @@ EXPECTED_FAIL: dict[str, str] = {
 # Types with sliding-window layers that the paged store holds in layer groups, window layers
 # as rings (memory.paged; docs/cache-kinds.md lists every type's path).
 PAGED_WINDOWS = {
-    "afmoe", "cohere2", "exaone4", "exaone_moe", "gemma3", "gemma3_text", "gpt_oss", "laguna",
+    "afmoe", "cohere2", "exaone4", "exaone_moe", "gemma3", "gemma3_text", "gemma3n", "gpt_oss", "laguna",
     "llama", "mellum", "mimo_v2_flash", "ministral3", "muse_glimmer", "olmo3", "plamo3",
     "spark2_5",
 }

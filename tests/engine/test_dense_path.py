@@ -207,6 +207,19 @@ def test_the_probe_finds_rows_that_cannot_batch_and_caches_of_unusual_kinds() ->
     assert not nas.plain_kv
 
 
+def test_the_probe_tells_layers_that_share_a_cache_from_layers_handed_its_kv() -> None:
+    """Gemma 3n's KV-shared layers read an earlier layer's cache object and attend through
+    it: every layer's attention names a cache entry, so the paged store serves it (shared
+    layers answered from the owner's blocks). afm7's KV-reuse layers attend K/V they were
+    handed, with no cache named: they stay on mlx-lm's caches."""
+    shared = probe_cache_layout(tiny_archs.build("gemma3n"), weights_loaded=True)
+    assert shared.entries < shared.model_layers and shared.shares_entries
+    assert shared.paged_windows is not None
+    handed = probe_cache_layout(tiny_archs.build("afm7"), weights_loaded=True)
+    assert handed.entries < handed.model_layers and not handed.shares_entries
+    assert not handed.plain_kv and handed.paged_windows is None
+
+
 def test_rows_that_join_together_are_merged_into_the_batch_at_once(
     make_engine: Callable[..., Harness], monkeypatch: pytest.MonkeyPatch
 ) -> None:
