@@ -118,6 +118,9 @@ class EngineConfig:
     # model's own attention run on each decode row's gathered K/V (`KVGeometry.gather`);
     # False: served through mlx-lm's own caches (engine.dense), as before.
     paged_gather: bool = True
+    # Plan a lone prompt's next prefill chunk's attention shape while this chunk runs, where
+    # shapes are planned (engine.kv.plan_ahead). False: an A/B.
+    plan_ahead: bool = True
     # Speculative decoding (engine.speculative): drafts verified as one chunk per row while
     # the batch is small. Off unless asked for (docs/throughput.md has what it gains).
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
@@ -321,7 +324,8 @@ class EngineCore:
                 speculator = Speculator(spec, loaded.backend, draft)
             self.batch = Runner(self.model, self.store, overlap=overlap,
                                 prefill_batch=config.prefill_batch, compiled=compiled,
-                                slice_decode=config.slice_decode, speculator=speculator)
+                                slice_decode=config.slice_decode, speculator=speculator,
+                                plan_ahead=config.plan_ahead)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # in admission order; each step runs them in prefill_order
         self.step_budget = StepBudget(

@@ -135,7 +135,7 @@ class Runner(ReadsEarly):
     def __init__(
         self, model: Any, store: KVStore, *, overlap: bool = False, prefill_batch: int = 8,
         compiled: CompiledDecode | None = None, slice_decode: bool | None = None,
-        speculator: Speculator | None = None,
+        speculator: Speculator | None = None, plan_ahead: bool = True,
     ) -> None:
         self.model = model
         self.store = store
@@ -165,6 +165,7 @@ class Runner(ReadsEarly):
         self.queue_s = 0.0  # inside mx.async_eval of decode steps (see _queue)
         self.settle_s = 0.0  # of those waits, for a queued decode step before a write (settle)
         self.last_chunk_s = 0.0  # the last lone prefill chunk's time on the device, once queued
+        self.plan_ahead = plan_ahead  # plan the next chunk's shape behind this one (engine.kv.plan_ahead)
         # Tensor parallel: every rank feeds back rank 0's tokens (engine.distributed).
         self.agree: Callable[[SampledStep], SampledStep] | None = None
         # Speculative decoding (engine.speculative): while the batch is small, rows with drafts
@@ -255,7 +256,8 @@ class Runner(ReadsEarly):
         shapes are planned at all, and the last lone chunk kept the device busy for longer
         than a plan takes (`engine.kv.plan_ahead`)."""
         lengths = self.store.key_lengths
-        return lengths.bucket > 0 and lengths.plan_ms > 0 and self.last_chunk_s * 1e3 >= lengths.plan_ms
+        return self.plan_ahead and lengths.bucket > 0 and lengths.plan_ms > 0 \
+            and self.last_chunk_s * 1e3 >= lengths.plan_ms
 
     def _prefill_scored(self, seq: Sequence, row: PrefillRow) -> None:
         """A chunk of a request that scores its prompt: the single-request call, whose

@@ -88,6 +88,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
                        help="replay decode steps from traced graphs once the batch holds still "
                        "(default: on CUDA only, where it was measured to win)")
+    serve.add_argument("--plan-ahead", action=argparse.BooleanOptionalAction, default=None,
+                       help="while a prompt's prefill chunk runs, plan the next chunk's attention "
+                       "shape so it attends exact keys (default: on; only where shapes are "
+                       "planned, CUDA)")
     serve.add_argument("--paged-windows", action=argparse.BooleanOptionalAction, default=None,
                        help="hold sliding-window layers (Gemma 3, gpt-oss...) in the paged KV store at "
                        "their window (default: on; off serves them through mlx-lm's own caches)")

@@ -26,6 +26,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         compile_decode=settings.compile_decode,
         prefill_key_bucket=settings.prefill_key_bucket,
         prefill_plan_ms=settings.prefill_plan_ms,
+        plan_ahead=settings.plan_ahead,
         slice_decode=settings.slice_decode,
         warm_up=settings.warm_up,
         gil_switch_interval_s=settings.gil_switch_interval_ms / 1000,

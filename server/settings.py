@@ -111,6 +111,11 @@ class Settings(BaseSettings):
         "a call whose padded keys would cost more than that attends its exact keys, causal "
         "(engine.kv.buckets.KeyLengths; None: timed by the warm-up on CUDA, else 35 there)",
     )
+    plan_ahead: bool = Field(
+        True, description="while a lone prompt's prefill chunk runs, plan the next chunk's "
+        "attention shape (cuDNN) so that it attends its exact keys, causal (engine.kv.plan_ahead; "
+        "only where shapes are planned, CUDA); false: as an A/B",
+    )
     paged_windows: bool = Field(
         True, description="hold sliding-window layers in the paged KV store at their window, in "
         "layer groups (memory.paged); false: serve such models through mlx-lm's own caches "

@@ -46,6 +46,13 @@ def test_later_chunks_attend_exact_keys_planned_by_the_chunk_before(make_engine)
     assert logprobs == pytest.approx(padded_logprobs, abs=1e-4)
 
 
+def test_plan_ahead_off_plans_nothing(make_engine) -> None:
+    """`--no-plan-ahead` (an A/B): every chunk pads as before, and the tokens are the same."""
+    tokens, _, core = _run(make_engine, prefill_plan_ms=1e-6, plan_ahead=False)
+    assert core.store.key_lengths.planned_ahead == 0 == core.store.key_lengths.exact_calls
+    assert tokens == _run(make_engine, prefill_plan_ms=1e-6)[0]
+
+
 def test_nothing_is_planned_where_shapes_cost_no_plan(make_engine) -> None:
     """The CPU and Metal plan nothing per shape (no bucket): no warm-up call is made."""
     h = make_engine(prefill_step_size=32, prefix_cache_bytes=0)
