@@ -208,7 +208,7 @@ class Runner(ReadsEarly):
                     r = part[0]
                     chunk = mx.array(r.tokens)[None]
                     caches = prefill_caches(self.store, r.alloc, len(r.tokens))
-                    if more[r.alloc.request_id] >= len(r.tokens) and self._plans_hide():
+                    if more[r.alloc.request_id] >= len(r.tokens) and self._plan_pays(r):
                         ahead = caches
                         _records_first_full(caches)
                     self.model(chunk, cache=caches)
@@ -228,7 +228,7 @@ class Runner(ReadsEarly):
 
     def _run_call(self, part: list[PrefillRow], ahead: list[PrefillCache]) -> None:
         """Evaluate a prefill call. A lone request's call is timed on the device
-        (`_plans_hide`); where `ahead` holds its caches, the next chunk's attention shape
+        (`_plan_pays`); where `ahead` holds its caches, the next chunk's attention shape
         is planned behind it (`engine.kv.plan_ahead`)."""
         arrays = part[0].alloc.segment.arrays()
         launched = time.perf_counter()
@@ -247,17 +247,17 @@ class Runner(ReadsEarly):
         done = time.perf_counter()
         # The device still ran once the plan was built: the chunk took about the whole wait,
         # and the plan was hidden. Else the chunk ended first, and what is left of the wait
-        # is its last part, not its length (below a plan's cost: no plan ahead next time).
+        # is its last part, not its length.
         hidden = done - built >= 0.1 * (done - launched)
         self.last_chunk_s = done - launched if hidden else done - built
 
-    def _plans_hide(self) -> bool:
-        """Whether planning the next chunk's shape would be hidden behind this one: where
-        shapes are planned at all, and the last lone chunk kept the device busy for longer
-        than a plan takes (`engine.kv.plan_ahead`)."""
-        lengths = self.store.key_lengths
-        return self.plan_ahead and lengths.bucket > 0 and lengths.plan_ms > 0 \
-            and self.last_chunk_s * 1e3 >= lengths.plan_ms
+    def _plan_pays(self, row: PrefillRow) -> bool:
+        """Whether to plan the chunk after `row`'s (of its size) while `row`'s runs: where
+        the last lone chunk's time on the device hides enough of a plan that it costs less
+        than padding that chunk (`KeyLengths.ahead_pays`, `engine.kv.plan_ahead`)."""
+        tokens = len(row.tokens)
+        return self.plan_ahead and self.store.key_lengths.ahead_pays(
+            tokens, row.alloc.length + 2 * tokens, self.last_chunk_s * 1e3)
 
     def _prefill_scored(self, seq: Sequence, row: PrefillRow) -> None:
         """A chunk of a request that scores its prompt: the single-request call, whose

@@ -121,6 +121,16 @@ class KeyLengths:
         work = self.pair_flops * max(rows * queries, QUERY_FLOOR) * end
         return PADDING_OVERHEAD * work / ATTENTION_FLOP_S * 1e3
 
+    def ahead_pays(self, queries: int, end: int, busy_ms: float) -> bool:
+        """Whether planning a lone call of `queries` ending at `end` while the device is
+        busy for `busy_ms` (`engine.kv.plan_ahead`) costs less than padding it: the part of
+        the plan not hidden behind that time, against the padding's cost plus a new
+        bucket's plan, which a padded call pays once every `bucket` keys."""
+        if self.bucket <= 0 or self.plan_ms <= 0:
+            return False
+        unhidden = max(self.plan_ms - busy_ms, 0.0)
+        return unhidden < self.padding_ms(queries, end) + self.plan_ms * queries / self.bucket
+
     def ran(self, queries: int, end: int, keys: int, rows: int = 1) -> None:
         """Note a call that ended at `end` and attended `keys` keys: an exact shape that the
         bucket would have padded is planned now."""

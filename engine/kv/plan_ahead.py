@@ -13,10 +13,13 @@ The next chunk's shape is known while this one runs: the same rows and queries, 
 `tokens` further on. So once this chunk is queued, the runner queues one layer's attention
 at that shape (`plan_ahead`): its plan is built on the host while the device is still busy
 with the chunk, and its kernel costs one layer's attention. The next chunk then attends its
-exact keys (`KeyLengths.planned`), causal and already planned. This pays only where the
-chunk keeps the device busy longer than a plan takes to build (the runner checks the last
-chunk's wait), and only for a lone request read as a view of the pool: the plan is keyed by
-the inputs' strides too, and the warm-up must build exactly what the next call will use.
+exact keys (`KeyLengths.planned`), causal and already planned. It runs where the part of
+the plan that the chunk's time on the device does not hide costs less than padding the
+next chunk would (`KeyLengths.ahead_pays`, against the last chunk's time), and only for a
+lone request read as a view of the pool: the plan is keyed by the inputs' strides too, and
+the warm-up must build exactly what the next call will use. `python -m bench.plan_check`
+checks that premise on a GPU (on an H100, a chunk planned ahead took 0.6-1.4 ms, what a
+planned shape takes, where a new exact shape took 40-63 ms).
 """
 
 from __future__ import annotations

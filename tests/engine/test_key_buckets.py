@@ -305,3 +305,16 @@ def test_the_engine_prices_padding_by_the_model_and_admission_predicts_the_exact
         h.run_until(lambda h=h: "x" in h.out.finished)
     assert exact.out.tokens["x"] == padded.out.tokens["x"]
     assert exact.out.logprobs["x"] == pytest.approx(padded.out.logprobs["x"], abs=1e-4)
+
+
+def test_a_shape_is_planned_ahead_where_the_unhidden_plan_costs_less_than_padding() -> None:
+    """Llama-3-8B's attention on CUDA, a plan of 65.5 ms: a 512-token chunk of 35 ms at 8k
+    of context would leave 30 ms of the plan unhidden against about 11 ms of padding and
+    bucket plans (pad); one of 57 ms at 41k, 8.5 ms against 25 (plan ahead); a chunk as
+    long as the plan always hides it; nothing is planned where shapes are not."""
+    lengths = KeyLengths(CUDA_KEY_BUCKET, pair_flops=4 * 32 * 128 * 32, plan_ms=65.5)
+    assert not lengths.ahead_pays(512, 8192 + 1024, busy_ms=35.0)
+    assert lengths.ahead_pays(512, 40_960 + 1024, busy_ms=57.0)
+    assert lengths.ahead_pays(512, 8192 + 1024, busy_ms=65.5)
+    assert not KeyLengths(0, pair_flops=1, plan_ms=65.5).ahead_pays(512, 50_000, busy_ms=100.0)
+    assert not KeyLengths(CUDA_KEY_BUCKET, pair_flops=1, plan_ms=0.0).ahead_pays(512, 50_000, busy_ms=100.0)

@@ -28,15 +28,15 @@ def _run(make_engine, **config) -> tuple[list[int], list[float], object]:
 
 def test_later_chunks_attend_exact_keys_planned_by_the_chunk_before(make_engine) -> None:
     """Chunks of 32 queries always pad (below EXACT_MIN_QUERIES) unless planned ahead: with a
-    plan costing less than a chunk takes, every chunk after the first plans the next, and
-    the planned ones run exact; with a plan that no chunk hides, none does."""
+    plan cheaper than padding, each chunk plans the next, and the planned ones run exact;
+    with a plan that no chunk hides, none does."""
     tokens, logprobs, core = _run(make_engine, prefill_plan_ms=1e-6)
     lengths = core.store.key_lengths
     # Chunk k (from 1) plans chunk k + 1 where a full chunk follows and its end is not a
-    # length the bucket pads to anyway (256); not chunk 1: no chunk's time was seen yet.
-    ends = [32 * (k + 1) for k in range(2, len(PROMPT) // 32) if len(PROMPT) - 32 * k >= 32]
+    # length the bucket pads to anyway (256): a plan this cheap pays behind any chunk.
+    ends = [32 * (k + 1) for k in range(1, len(PROMPT) // 32) if len(PROMPT) - 32 * k >= 32]
     planned = [end for end in ends if padded_keys(end, 4096) != end]
-    assert len(planned) == 6
+    assert len(planned) == 7
     assert core.store.key_lengths.planned_ahead == len(planned)
     assert lengths.exact_calls == len(planned)
     padded_tokens, padded_logprobs, padded_core = _run(make_engine, prefill_plan_ms=1e9)
