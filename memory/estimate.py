@@ -225,25 +225,25 @@ def geometry_from_config(
     A key missing under its usual name is read under dbrx's (``d_model``, ``n_heads``,
     ``n_layers``, ``attn_config.kv_n_heads``, ``ffn_config.ffn_hidden_size``): dbrx's router
     reads values on the host, so its caches are not probed before load and its config is
-    all there is to size it by.
+    all there is to size it by. Step 3.5 names its KV heads ``num_attention_groups``.
     """
-    other_names = {  # the usual key: its path under another architecture's names
-        "num_attention_heads": ("n_heads",),
-        "hidden_size": ("d_model",),
-        "num_hidden_layers": ("n_layers",),
-        "num_key_value_heads": ("attn_config", "kv_n_heads"),
-        "intermediate_size": ("ffn_config", "ffn_hidden_size"),
+    other_names = {  # the usual key: its paths under other architectures' names
+        "num_attention_heads": (("n_heads",),),
+        "hidden_size": (("d_model",),),
+        "num_hidden_layers": (("n_layers",),),
+        "num_key_value_heads": (("attn_config", "kv_n_heads"), ("num_attention_groups",)),
+        "intermediate_size": (("ffn_config", "ffn_hidden_size"),),
     }
 
     def read(key: str) -> Any:
         value = _get(config, key)
-        if value is not None or key not in other_names:
-            return value
-        first, *rest = other_names[key]
-        node = _get(config, first)
-        for part in rest:
-            node = node.get(part) if isinstance(node, Mapping) else None
-        return node
+        for first, *rest in other_names.get(key, ()):
+            if value is not None:
+                break
+            value = _get(config, first)
+            for part in rest:
+                value = value.get(part) if isinstance(value, Mapping) else None
+        return value
 
     def need(key: str) -> int:
         value = read(key)

@@ -56,6 +56,17 @@ def test_geometry_from_config_reads_dbrx_names() -> None:
     assert geometry_from_config({**LLAMA3_8B, "n_heads": 1, "d_model": 1}) == geometry_from_config(LLAMA3_8B)
 
 
+def test_geometry_from_config_reads_step_kv_heads() -> None:
+    """Step 3.5 names its KV heads `num_attention_groups`: read as the KV heads, not the
+    query heads' count (which would count twice its KV), so its caches match its config and
+    the paged store holds it."""
+    step = {"model_type": "step3p5", "hidden_size": 4096, "num_hidden_layers": 45, "num_attention_heads": 64,
+            "num_attention_groups": 8, "head_dim": 128, "intermediate_size": 11264, "vocab_size": 128896}
+    g = geometry_from_config(step)
+    assert (g.num_heads, g.num_kv_heads, g.head_dim) == (64, 8, 128)
+    assert geometry_from_config({**step, "num_key_value_heads": 4}).num_kv_heads == 4  # the usual key first
+
+
 def test_quantized_kv_is_smaller() -> None:
     g = geometry_from_config(LLAMA3_8B)
     q8 = ModelGeometry(**{**g.__dict__, "kv_bits": 8})
