@@ -101,19 +101,22 @@ class CacheLayout:
     dtype: mx.Dtype
     model_layers: int = 0  # len(model.layers): more than `entries` when layers reuse others' KV
     batched: bool = True  # the forward takes rows with per-row cache offsets
-    # Layers without an entry of their own attend through an earlier layer's cache object
-    # (Gemma 3n's KV-shared layers: `keys_and_values()`, then attention named that cache):
-    # every layer's attention call names an entry (`_attention_through_entries`).
-    shares_entries: bool = False
+    # Fewer entries than layers, and every attention call of the forward names a cache
+    # entry (`_attention_through_entries`): Gemma 3n's KV-shared layers attend through an
+    # earlier layer's cache object. Not afm7's KV-reuse layers, which attend K/V they are
+    # handed; nor iquestloopcoder, whose layers run twice, the second time naming one entry
+    # while attending another's K/V.
+    attends_through_entries: bool = False
 
     @cached_property
     def _one_per_layer(self) -> bool:
-        """One cache entry per layer, or layers that read another's entry through it (Gemma
-        3n), and no layer reading another's K/V outside its cache (afm7's KV-reuse layers),
-        none running twice (iquestloopcoder's), rows batched: what every paged case needs."""
+        """One cache entry per layer, or layers that share an earlier layer's entry and attend
+        through it (Gemma 3n), none attending K/V handed to it outside a cache (afm7's
+        KV-reuse layers), none running twice (iquestloopcoder's), rows batched: what every
+        paged case needs."""
         if not self.layers or len(self.layers) != self.entries or not self.batched:
             return False
-        return not self.model_layers or self.model_layers == self.entries or self.shares_entries
+        return not self.model_layers or self.model_layers == self.entries or self.attends_through_entries
 
     @cached_property
     def plain_kv(self) -> bool:
@@ -284,7 +287,7 @@ def probe_cache_layout(model: Any, *, weights_loaded: bool = False) -> CacheLayo
     tokens = mx.zeros((1, PROBE_TOKENS), dtype=mx.int32)
     caches = make_prompt_cache(model)
     try:
-        logits, calls = _attention_through_entries(model, tokens, caches)
+        logits, named, calls = _attention_through_entries(model, tokens, caches)
     except Exception as exc:
         if not weights_loaded:
             raise CacheLayoutError(
@@ -292,7 +295,7 @@ def probe_cache_layout(model: Any, *, weights_loaded: bool = False) -> CacheLayo
                 f"({type(exc).__name__}: {exc}); load the weights to read its caches"
             ) from exc
         caches = make_prompt_cache(model)
-        logits, calls = _attention_through_entries(model, tokens, caches)
+        logits, named, calls = _attention_through_entries(model, tokens, caches)
         mx.eval(logits, [c.state for c in caches])
     growing = _growing_states(model, caches)
     layers: list[LayerCache] = []
@@ -303,24 +306,25 @@ def probe_cache_layout(model: Any, *, weights_loaded: bool = False) -> CacheLayo
     return CacheLayout(
         tuple(layers), len(caches), int(logits.shape[-1]), _dtype_of(caches, logits),
         model_layers=count, batched=_takes_rows(model, caches),
-        shares_entries=len(caches) < count == calls,
+        attends_through_entries=len(caches) < count and named == calls,
     )
 
 
-def _attention_through_entries(model: Any, tokens: mx.array, caches: list[Any]) -> tuple[mx.array, int]:
-    """The model's logits on `tokens`, and how many of its attention calls (mlx-lm's shared
-    `scaled_dot_product_attention`, as each model module names it) named one of `caches`:
-    a layer that attends through an earlier layer's cache object is served from that
-    layer's K/V in the paged store; one that attends K/V it was handed is not."""
+def _attention_through_entries(model: Any, tokens: mx.array, caches: list[Any]) -> tuple[mx.array, int, int]:
+    """The model's logits on `tokens`, how many of its attention calls (mlx-lm's shared
+    `scaled_dot_product_attention`, as each model module names it) named one of `caches`,
+    and how many it made: a layer that attends through a cache object is served from that
+    entry's K/V in the paged store; one that attends K/V it was handed is not."""
     entries = {id(c) for c in caches}
-    calls = 0
+    named = calls = 0
     originals: dict[Any, Any] = {}
 
     def counting(fn: Any) -> Any:
         def attend(*args: Any, **kwargs: Any) -> Any:
-            nonlocal calls
+            nonlocal named, calls
             cache = kwargs["cache"] if "cache" in kwargs else (args[3] if len(args) > 3 else None)
-            calls += cache is not None and id(cache) in entries
+            named += cache is not None and id(cache) in entries
+            calls += 1
             return fn(*args, **kwargs)
         return attend
 
@@ -332,7 +336,7 @@ def _attention_through_entries(model: Any, tokens: mx.array, caches: list[Any]) 
             originals[module] = fn
             module.scaled_dot_product_attention = counting(fn)
     try:
-        return model(tokens, cache=caches), calls
+        return model(tokens, cache=caches), named, calls
     finally:
         for module, fn in originals.items():
             module.scaled_dot_product_attention = fn

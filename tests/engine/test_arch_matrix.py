@@ -39,8 +39,8 @@ EXPECTED_FAIL: dict[str, str] = {
 # as rings (memory.paged; docs/cache-kinds.md lists every type's path).
 PAGED_WINDOWS = {
     "afmoe", "cohere2", "exaone4", "exaone_moe", "gemma3", "gemma3_text", "gemma3n", "gpt_oss", "laguna",
-    "llama", "mellum", "mimo_v2_flash", "ministral3", "muse_glimmer", "olmo3", "plamo3", "spark2_5",
-    "step3p5",
+    "llama", "mellum", "mimo_v2_flash", "ministral3", "muse_glimmer", "olmo3", "plamo3",
+    "spark2_5", "step3p5",
 }
 
 # Types whose caches are not the config's heads (MLA's latent keys and rotary values), or

@@ -211,13 +211,18 @@ def test_the_probe_tells_layers_that_share_a_cache_from_layers_handed_its_kv() -
     """Gemma 3n's KV-shared layers read an earlier layer's cache object and attend through
     it: every layer's attention names a cache entry, so the paged store serves it (shared
     layers answered from the owner's blocks). afm7's KV-reuse layers attend K/V they were
-    handed, with no cache named: they stay on mlx-lm's caches."""
+    handed, with no cache named: they stay on mlx-lm's caches, as iquestloopcoder does."""
     shared = probe_cache_layout(tiny_archs.build("gemma3n"), weights_loaded=True)
-    assert shared.entries < shared.model_layers and shared.shares_entries
+    assert shared.entries < shared.model_layers and shared.attends_through_entries
     assert shared.paged_windows is not None
     handed = probe_cache_layout(tiny_archs.build("afm7"), weights_loaded=True)
-    assert handed.entries < handed.model_layers and not handed.shares_entries
+    assert handed.entries < handed.model_layers and not handed.attends_through_entries
     assert not handed.plain_kv and handed.paged_windows is None
+    # iquestloopcoder's layers run twice, the second time naming its own entry while it
+    # attends the first pass's K/V: every call names an entry, yet it is not served paged
+    loop = probe_cache_layout(tiny_archs.build("iquestloopcoder"), weights_loaded=True)
+    assert loop.entries > loop.model_layers and not loop.attends_through_entries
+    assert loop.paged_windows is None
 
 
 def test_rows_that_join_together_are_merged_into_the_batch_at_once(
