@@ -33,26 +33,26 @@ from engine.kv.quant import KVQuant
 from engine.kv.store import Allocation, KVStore, Segment, ring_slots, slots_of
 
 
-class SharedFetch:
-    """What a layer's `update_and_fetch` returned, kept for the layers that share its cache
-    (Gemma 3n's KV-shared layers call `keys_and_values()` on the owner's cache object, then
-    attend through it under the owner's mask): the same K/V the owner attended. In a decode
-    step those are the inputs, and the rebound attention answers the shared layers from the
-    owner's blocks, as it answers the owner."""
+class ReadsBack:
+    """A layer's cache that layers sharing it read back (Gemma 3n's KV-shared layers call
+    `keys_and_values()` on the owner's cache object, then attend through it under the
+    owner's mask): the K/V the owner's `update_and_fetch` returned, read again from the pool
+    (`_fetch`) rather than kept, so that no model's layers hold their K/V past the call. In a
+    decode step the rebound attention answers the shared layers from the owner's blocks, as
+    it answers the owner, and what is returned here is never evaluated."""
 
-    _fetched: tuple[mx.array, mx.array] | None = None
+    _written = False
 
-    def fetched(self, kv: tuple[mx.array, mx.array]) -> tuple[mx.array, mx.array]:
-        self._fetched = kv
-        return kv
+    def _fetch(self) -> tuple[mx.array, mx.array]:
+        raise NotImplementedError
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
-        if self._fetched is None:
+        if not self._written:
             raise ValueError("a KV-shared layer read its cache before the layer that owns it wrote")
-        return self._fetched
+        return self._fetch()
 
 
-class PrefillCache(SharedFetch):
+class PrefillCache(ReadsBack):
     def __init__(self, segment: Segment, layer: int, offset: int, write: mx.array | None,
                  read: mx.array | None,
                  quant: KVQuant | None = None, mask: mx.array | None = None,
@@ -103,12 +103,16 @@ class PrefillCache(SharedFetch):
         seg.keys[layer][write] = k if quant is None else quant.encode(k)
         seg.values[layer][write] = v if quant is None else quant.encode(v)
         self.offset += keys.shape[2]
+        self._written = True
+        return self._fetch()
+
+    def _fetch(self) -> tuple[mx.array, mx.array]:
+        seg, layer, quant = self.segment, self.layer, self._quant
         if self._run_start is not None:
-            view = run_view(seg.keys[layer], seg.values[layer], self._run_start, self._width, quant)
-            return self.fetched(view)
+            return run_view(seg.keys[layer], seg.values[layer], self._run_start, self._width, quant)
         k = pool_rows(seg.keys[layer])[self._read][None]
         v = pool_rows(seg.values[layer])[self._read][None]
-        return self.fetched((k, v) if quant is None else (quant.decode(k), quant.decode(v)))
+        return (k, v) if quant is None else (quant.decode(k), quant.decode(v))
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
         if self.window is not None:
@@ -490,7 +494,7 @@ def plan_decode(store: KVStore, allocs: list[Allocation], tables: DecodeTables |
     return (tables or DecodeTables()).plan(store, allocs)
 
 
-class DecodeCache(SharedFetch):
+class DecodeCache(ReadsBack):
     def __init__(self, plan: DecodePlan, layer: int) -> None:
         self.plan = plan
         self.layer = layer
@@ -510,9 +514,13 @@ class DecodeCache(SharedFetch):
                 k, v = k[g.rows], v[g.rows]
             g.segment.keys[self.slot][g.write] = k
             g.segment.values[self.slot][g.write] = v
+        self._written = True
         if self.plan.gather:  # the model attends itself, over every row's K/V
-            return self.fetched(self.plan.gathered(self.groups, self.slot))
-        return self.fetched((keys, values))
+            return self._fetch()
+        return keys, values
+
+    def _fetch(self) -> tuple[mx.array, mx.array]:
+        return self.plan.gathered(self.groups, self.slot)
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
         if self.plan.gather and n == 1 and window_size is None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from engine.kv.cache import SharedFetch, band_allowed, pool_rows, window_mask
+from engine.kv.cache import ReadsBack, band_allowed, pool_rows, window_mask
 from engine.kv.masks import additive_mask
 from engine.kv.quant import KVQuant
 from engine.kv.store import Allocation, KVStore, Segment, ring_slots
@@ -200,7 +200,7 @@ def needs_array_mask(starts: Seq[int], lengths: Seq[int]) -> bool:
     return len(set(starts)) > 1 or len(set(lengths)) > 1
 
 
-class BatchPrefillCache(SharedFetch):
+class BatchPrefillCache(ReadsBack):
     """One layer's view of a batched prefill call (see the module docstring)."""
 
     def __init__(self, plan: PrefillPlan, layer: int) -> None:
@@ -216,9 +216,14 @@ class BatchPrefillCache(SharedFetch):
         v = values.transpose(0, 2, 1, 3).reshape(b * t, heads, values.shape[-1])[plan.valid]
         seg.keys[layer][part.write] = k if quant is None else quant.encode(k)
         seg.values[layer][part.write] = v if quant is None else quant.encode(v)
-        k = pool_rows(seg.keys[layer])[part.read]
-        v = pool_rows(seg.values[layer])[part.read]
-        return self.fetched((k, v) if quant is None else (quant.decode(k), quant.decode(v)))
+        self._written = True
+        return self._fetch()
+
+    def _fetch(self) -> tuple[mx.array, mx.array]:
+        seg, layer, quant = self.plan.segment, self.layer, self.plan.quant
+        k = pool_rows(seg.keys[layer])[self.part.read]
+        v = pool_rows(seg.values[layer])[self.part.read]
+        return (k, v) if quant is None else (quant.decode(k), quant.decode(v))
 
     def make_mask(
         self, n: int, return_array: bool = False, window_size: int | None = None
