@@ -34,7 +34,6 @@ served by `engine.dense`.
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -42,6 +41,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from engine.kv.attention import layer_modules
 from memory import ModelGeometry, geometry_from_model
 from memory.estimate import KVGroup, KVLayout, cache_slots
 
@@ -328,11 +328,9 @@ def _attention_through_entries(model: Any, tokens: mx.array, caches: list[Any]) 
             return fn(*args, **kwargs)
         return attend
 
-    modules = list(model.modules()) if hasattr(model, "modules") else []
-    for name in sorted({type(m).__module__ for m in modules}):
-        module = sys.modules.get(name)
+    for module in layer_modules(model):
         fn = getattr(module, "scaled_dot_product_attention", None)
-        if module is not None and callable(fn):
+        if callable(fn):
             originals[module] = fn
             module.scaled_dot_product_attention = counting(fn)
     try:

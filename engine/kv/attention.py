@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import mlx.core as mx
@@ -189,17 +190,23 @@ def attends_through_shared_sdpa(model: Any) -> bool:
     return bool(_attention_modules(model))
 
 
-def _attention_modules(model: Any) -> list[Any]:
+def _attention_modules(model: Any) -> list[ModuleType]:
     """The modules defining the model's layers that name mlx-lm's attention function (or
     this module's, rebound already)."""
     original = _original()
     found = []
-    for name in sorted({type(m).__module__ for m in _modules(model)}):
-        module = sys.modules.get(name)
+    for module in layer_modules(model):
         fn = getattr(module, "scaled_dot_product_attention", None)
         if fn is original or fn is paged_scaled_dot_product_attention:
             found.append(module)
     return found
+
+
+def layer_modules(model: Any) -> list[ModuleType]:
+    """The Python modules that define the model's layers (mlx-lm's model files), where the
+    attention function a layer calls is looked up by name."""
+    names = sorted({type(m).__module__ for m in _modules(model)})
+    return [module for name in names if (module := sys.modules.get(name)) is not None]
 
 
 def _original() -> Callable[..., mx.array]:
