@@ -120,11 +120,14 @@ def load_model(
     load_format: str = "auto",
     dtype: str | None = None,
     fuse_projections: bool = True,
+    small_m_kernel: bool = True,
     context_length: int | None = None,
     progress: Callable[[str], None] = log.info,
 ) -> LoadedModel:
     """Load ``model`` for serving; ``context_length``: serve it at that context instead of
-    its own (lower, or higher where its RoPE scaling reaches; `engine.context`)."""
+    its own (lower, or higher where its RoPE scaling reaches; `engine.context`);
+    ``small_m_kernel``: on CUDA, quantized products of few rows may take `engine.qmm_cuda`
+    where it times faster than MLX's (`engine.qmm_choice`)."""
     import mlx_lm
 
     # it subclasses mlx-lm's MoE layer: imported at use
@@ -149,6 +152,14 @@ def load_model(
     backend = backend_name()
     # after fusion: its fused copies are swapped too
     flat = flatten_quantized(loaded_model, dequantize_rows=default_dequantize_rows(backend))
+    if flat and backend == "cuda" and small_m_kernel:
+        from engine.qmm_choice import choose_small_m
+
+        chosen = choose_small_m(loaded_model)
+        if chosen:
+            progress(f"small-M quantized kernel timed on {len(chosen)} weight shapes; taken at rows "
+                     + ", ".join(f"{c.out_features}x{c.in_features}: {sorted(c.points) or 'none'}"
+                                 for c in chosen))
     path = Path(source) if Path(source).exists() else None
     if path is None:
         from mlx_lm.utils import _download

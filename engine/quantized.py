@@ -27,6 +27,10 @@ a transient of one projection at a time, which the prefill estimate counts
 it meets many rows only when a prompt is scored, and would be by far the largest copy. The
 crossover on a given card is what `bench/qmm_repro.py` prints under "Prefill rows".
 
+Few rows (a decode batch) on CUDA: where `engine.qmm_choice` timed it faster at load, a
+dense projection takes `engine.qmm_cuda`'s small-M kernel, which reads the weight once on
+tensor cores; MLX's product moves 530–630 GB/s of weights at 32–64 rows.
+
 The experts' `mx.gather_qmm` takes x shaped (..., M, K) and one expert index per batch
 element: SwitchGLU hands it x as (B, L, 1, 1, K) with indices (B, L, k) in a decode step
 (fewer than 64 routed rows), or (N, 1, K) with indices (N,) sorted by expert (64 or more).
@@ -51,12 +55,20 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
+from engine import qmm_cuda
+from engine.qmm_choice import point_for
+
 
 def _flat_quantized_matmul(module: Any, x: mx.array) -> mx.array:
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
     threshold = getattr(module, "dequantize_rows", 0)
-    if threshold and rows.shape[0] >= threshold:
+    points = getattr(module, "small_m_points", None)
+    if (points and rows.shape[0] <= qmm_cuda.MAX_ROWS and x.dtype == mx.bfloat16
+            and point_for(rows.shape[0]) in points):
+        out = qmm_cuda.small_m_qmm(rows, module["weight"], module["scales"], module["biases"],
+                                   bits=module.bits, group_size=module.group_size)
+    elif threshold and rows.shape[0] >= threshold:
         weight = mx.dequantize(
             module["weight"], module["scales"], module.get("biases"), group_size=module.group_size,
             bits=module.bits, mode=module.mode, global_scale=module.get("global_scale"), dtype=x.dtype,
@@ -161,6 +173,8 @@ def flatten_quantized(model: nn.Module, *, dequantize_rows: int = 0) -> int:
             swapped += 1
         if isinstance(module, FlatQuantizedLinear):
             module.dequantize_rows = 0 if name.rsplit(".", 1)[-1] in OUTPUT_HEADS else dequantize_rows
+        if isinstance(module, FlatQuantizedLinear | FlatQuantizedEmbedding):
+            module.small_m_points = frozenset()  # `engine.qmm_choice.choose_small_m` fills it on CUDA
     return swapped
 
 

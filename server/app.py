@@ -71,6 +71,7 @@ def create_app(
         load=load or (lambda: load_model(settings.model, model_id=settings.public_model_name,
                                          load_format=settings.load_format, dtype=settings.dtype,
                                          fuse_projections=settings.fuse_projections,
+                                         small_m_kernel=settings.small_m_kernel,
                                          context_length=settings.context_length)),
         guard=pool.guard_for(pool.primary) if pool else guard,
         config=engine_config(settings),

@@ -162,6 +162,7 @@ class ModelPool:
         return EngineClient(
             load=lambda: load_model(entry.path, model_id=entry.id, load_format=s.load_format,
                                     dtype=s.dtype, fuse_projections=s.fuse_projections,
+                                    small_m_kernel=s.small_m_kernel,
                                     context_length=s.context_length if entry is self.primary else None),
             guard=self.guard_for(entry), config=engine_config(s), max_queue=s.max_queue,
             on_death=self.on_death,

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from engine import qmm_cuda
 from engine.kv import cuda_decode
 
 CUDA_TYPES = {"bfloat16": "__nv_bfloat16", "float16": "__half", "float32": "float"}
@@ -150,3 +151,27 @@ def test_a_broken_source_is_reported_with_its_error(nvrtc: Nvrtc) -> None:
     assert broken != cuda_decode._SOURCE
     result = nvrtc.compile(paged_kernel_source(broken, "bfloat16"))
     assert not result.ok and "error" in result.log
+
+
+def small_m_qmm_source(*, bits: int, group_size: int, row_tiles: int, split: bool) -> str:
+    """`engine.qmm_cuda`'s product wrapped as MLX wraps it, for bf16 rows."""
+    t = CUDA_TYPES["bfloat16"]
+    out = "float" if split else t
+    signature = (f"__global__ void qmm(const {t}* x, const __grid_constant__ Shape x_shape, "
+                 "const unsigned* w, const __grid_constant__ Shape w_shape, "
+                 f"const {t}* scales, const __grid_constant__ Shape scales_shape, const {t}* biases, "
+                 f"{out}* out) {{\n")
+    consts = {"BITS": bits, "GS": group_size, "MT": row_tiles, "NPB": qmm_cuda.NPB}
+    body = f"  using T = {t};\n" + "".join(f"  constexpr int {k} = {v};\n" for k, v in consts.items())
+    source = qmm_cuda._SOURCE.replace("STORE", qmm_cuda._STORE_PART if split else qmm_cuda._STORE_OUT)
+    return PRELUDE + qmm_cuda._HEADER + signature + body + source + "\n}\n"
+
+
+@pytest.mark.parametrize("bits", qmm_cuda.BITS)
+@pytest.mark.parametrize("row_tiles", qmm_cuda.ROW_TILES)
+@pytest.mark.parametrize("split", [False, True])
+def test_the_small_m_quantized_product_compiles_without_spills(nvrtc: Nvrtc, bits: int, row_tiles: int,
+                                                                split: bool) -> None:
+    result = nvrtc.compile(small_m_qmm_source(bits=bits, group_size=64, row_tiles=row_tiles, split=split))
+    assert result.ok, result.log
+    assert result.spill_bytes == 0 and result.registers is not None and result.registers <= 255
