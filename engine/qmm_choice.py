@@ -5,13 +5,14 @@ on the cards it was measured on, but not necessarily at every shape, row count a
 (MLX's own one-row kernel is good at one row). So at load, on CUDA, each distinct weight
 shape and format of the model is timed both ways at a few row counts (`POINTS`) on one of
 its own weights, and a product of r rows takes the kernel where it won at the smallest
-point ≥ r. This also compiles every kernel variant the model will use, so no request
-meets an NVRTC compile.
+point ≥ r, and only where its numbers agreed with MLX's. This also compiles every kernel
+variant the model will use, so no request meets an NVRTC compile.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 POINTS = (1, 8, 16, 32, 64)
 CALLS = 8  # products per timed chain: the host's launch cost hides behind the device's work
 CHAINS = 5
+AGREE = 0.02  # largest difference, relative to the largest output, still called the same product
 
 
 @dataclass(frozen=True)
@@ -68,11 +70,27 @@ def time_shape(module: nn.Module) -> ShapeChoice:
     for rows in POINTS:
         x = mx.random.normal((rows, k)).astype(mx.bfloat16)
         mx.eval(x)
-        ours.append(_chain_us(lambda x=x: qmm_cuda.small_m_qmm(
-            x, w, s, b, bits=module.bits, group_size=module.group_size)))
-        theirs.append(_chain_us(lambda x=x: mx.quantized_matmul(
-            x, w, s, b, transpose=True, group_size=module.group_size, bits=module.bits)))
+
+        def kernel(x: mx.array = x) -> mx.array:
+            return qmm_cuda.small_m_qmm(x, w, s, b, bits=module.bits, group_size=module.group_size)
+
+        def reference(x: mx.array = x) -> mx.array:
+            return mx.quantized_matmul(x, w, s, b, transpose=True, group_size=module.group_size,
+                                       bits=module.bits)
+
+        agrees = _agrees(kernel(), reference())
+        ours.append(_chain_us(kernel) if agrees else math.inf)
+        theirs.append(_chain_us(reference))
+        if not agrees:
+            log.warning("small-M quantized product %dx%d %d-bit g%d disagrees with MLX's at %d rows: "
+                        "not taken", n, k, module.bits, module.group_size, rows)
     return ShapeChoice(n, k, module.bits, module.group_size, tuple(ours), tuple(theirs))
+
+
+def _agrees(ours: mx.array, theirs: mx.array) -> bool:
+    """Equal up to bf16 rounding and summation order, relative to the largest output."""
+    top = mx.abs(theirs).max().item()
+    return mx.abs(ours.astype(mx.float32) - theirs.astype(mx.float32)).max().item() <= AGREE * max(top, 1e-6)
 
 
 def eligible(module: nn.Module) -> bool:
