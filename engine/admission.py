@@ -8,7 +8,9 @@ up to whole blocks (`KVStore.reservation_bytes`), and the store allocates it whe
 request is admitted: decoding writes into memory that already exists, so it can never
 outgrow what was admitted. What admission asks the guard for is the memory the store
 must newly take from the device (`KVStore.growth_bytes`: zero when a segment has the
-free blocks, else a new segment), plus the prefill chunk's transients.
+free blocks, else a new segment), plus the prefill chunk's transients, plus, where decode
+gathers each layer's K/V (`engine.kv.decode_transient`), what the batch's decode steps
+gather with the request among their rows.
 
 Memory truth. The guard counts what the device counts, MLX's buffer cache and CUDA's pool
 included; this module owns the two MLX calls that keep that honest: handing memory back
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from engine.kv import KVStore
+from engine.kv.decode_transient import decode_gather_bytes
 from engine.kv.prefill import needs_array_mask
 from engine.prompt_scoring import scoring_bytes
 from engine.sequence import Sequence
@@ -186,6 +189,14 @@ class Admission:
         each row's caches hold, plus the left padding their merged batch adds."""
         return self.store.rows_reservation_bytes(s.final_len for s in seqs)
 
+    def decode_transient_bytes(self, seqs: Sequence_[Sequence]) -> int:
+        """What the batch's decode steps gather beside the store once these rows decode
+        together (`engine.kv.decode_transient`); none for a lone row, which is read in place,
+        nor in mlx-lm's own caches, which attend the arrays they hold."""
+        if len(seqs) < 2 or not isinstance(self.store, KVStore):
+            return 0
+        return decode_gather_bytes(self.store, (s.final_len for s in seqs))
+
     def growth_bytes(self, seq: Sequence, *, exact: bool) -> int:
         return self.store.growth_bytes(seq.final_len, seq.shared, exact=exact)
 
@@ -221,11 +232,13 @@ class Admission:
         floor = max(min(self.min_chunk_tokens, seq.remaining_prefill), 1)
         solo = self.solo_bytes(seq, floor)
 
+        gathered = self.decode_transient_bytes([*admitted, seq])
+
         def ask(chunk: int, exact: bool = False, in_place: bool = False) -> Decision:
             growth = 0 if in_place else self.growth_bytes(seq, exact=exact)
             return self._ask(
                 AdmissionQuery(
-                    predicted_bytes=growth + chunk,
+                    predicted_bytes=growth + chunk + gathered,
                     committed_bytes=max(before - allocated_kv, 0),
                     evictable_bytes=evictable,
                     releasable_bytes=max(before, allocated_kv),
@@ -285,6 +298,7 @@ class Admission:
         since they run as one call. The plan returns that prediction.
         """
         committed = self.committed_bytes(admitted, allocated_kv)
+        gathered = self.decode_transient_bytes(admitted if seq in admitted else [*admitted, seq])
         others = self.reservation_bytes([s for s in admitted if s is not seq])
         releasable = max(others, allocated_kv - self.reservation_bytes([seq]))
         tokens = min(seq.chunk_tokens, seq.remaining_prefill, max_tokens or seq.chunk_tokens)
@@ -293,7 +307,7 @@ class Admission:
                 self.chunk_prediction(seq, tokens)
             decision = self._ask(
                 AdmissionQuery(
-                    predicted_bytes=predicted,
+                    predicted_bytes=predicted + gathered,
                     committed_bytes=committed,
                     evictable_bytes=evictable,
                     releasable_bytes=releasable,

@@ -30,6 +30,7 @@ import mlx.core as mx
 from engine.kv.cache import DecodeCache, DecodeGroup, PrefillCache, pool_rows, run_view
 from engine.kv.cuda_decode import decode_span, paged_decode, partition_split
 from engine.kv.quant import KVQuant
+from engine.kv.store import KVGeometry
 
 _ORIGINAL: Callable[..., mx.array] | None = None  # mlx-lm's, looked up by `_original`
 _kernel_enabled: bool | None = None
@@ -117,6 +118,14 @@ def _attend_group(q: mx.array, g: DecodeGroup, slot: int, scale: float, block_si
         return paged_decode(q, keys, values, g.table, g.lengths, g.max_length, scale, block_size,
                             window=g.window, ring=g.ring_blocks, sinks=sinks)
     return plain_decode(q, keys, values, g, scale, block_size, quant, sinks)
+
+
+def decode_reads_in_place(geometry: KVGeometry, window: int | None) -> bool:
+    """Whether a decode step attends this group's layers straight from the pool (the CUDA
+    kernel), rather than gathering each layer's rows (`engine.kv.decode_transient`)."""
+    if geometry.gather or not kernel_active() or geometry.kv_bits is not None:
+        return False
+    return geometry.head_dim % 32 == 0 and (window is None or _window_kernel_enabled)
 
 
 def _takes_kernel(q_heads: int, head_dim: int, kv_heads: int, quantized: bool = False) -> bool:
