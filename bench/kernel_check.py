@@ -5,7 +5,7 @@ The kernel (`engine.kv.cuda_decode`) runs on CUDA only, so its tests here compil
 random pools addressed through real block tables of the engine's store, it compares the
 kernel with `engine.kv.attention.plain_decode` for full layers, window layers whose rings
 have wrapped (`memory.paged`), and both with gpt-oss's sink logits, at two head shapes,
-and times each path at a batch of 32:
+and on 8- and 4-bit quantized KV (`engine.kv.quant`), and times each path at a batch of 32:
 
     python -m bench.kernel_check                  # on a CUDA machine; prints one line per case
     python -m bench.kernel_check --out check.json
@@ -33,8 +33,9 @@ LENGTHS = (1, 17, 600, 1023, 1024, 1025, 1600, 3000, 5000)  # rows' positions, p
 TOLERANCE = {mx.bfloat16: 2e-2, mx.float16: 5e-3, mx.float32: 1e-4}
 
 
-def _store(kv_heads: int, head_dim: int, dtype: mx.Dtype, batch: int) -> tuple[KVStore, list]:
-    geometry = KVGeometry(2, kv_heads, head_dim, dtype, windows=(WINDOW, None))
+def _store(kv_heads: int, head_dim: int, dtype: mx.Dtype, batch: int,
+           kv_bits: int | None = None) -> tuple[KVStore, list]:
+    geometry = KVGeometry(2, kv_heads, head_dim, dtype, windows=(WINDOW, None), kv_bits=kv_bits)
     store = KVStore(geometry, segment_tokens=batch * 8192, chunk_tokens=CHUNK)
     allocs = []
     for i in range(batch):
@@ -43,9 +44,15 @@ def _store(kv_heads: int, head_dim: int, dtype: mx.Dtype, batch: int) -> tuple[K
         alloc.length = position  # the new token's position: the step attends position + 1 keys
         allocs.append(alloc)
     (segment,) = store.segments.values()
-    shape = segment.keys[0].shape
-    segment.keys = [mx.random.normal(shape).astype(dtype) for _ in segment.keys]
-    segment.values = [mx.random.normal(shape).astype(dtype) for _ in segment.values]
+    quant = geometry.quant
+    shape = (*segment.keys[0].shape[:2], head_dim)
+
+    def rows() -> mx.array:
+        x = mx.random.normal(shape).astype(dtype)
+        return x if quant is None else quant.encode(x)
+
+    segment.keys = [rows() for _ in segment.keys]
+    segment.values = [rows() for _ in segment.values]
     mx.eval(segment.keys, segment.values)
     return store, allocs
 
@@ -59,8 +66,10 @@ def _timed(fn: object, repeats: int = 20) -> tuple[mx.array, float]:
     return out, (time.perf_counter() - started) / repeats * 1e3
 
 
-def check(q_heads: int, kv_heads: int, head_dim: int, dtype: mx.Dtype, batch: int) -> list[dict]:
-    store, allocs = _store(kv_heads, head_dim, dtype, batch)
+def check(q_heads: int, kv_heads: int, head_dim: int, dtype: mx.Dtype, batch: int,
+          kv_bits: int | None = None) -> list[dict]:
+    store, allocs = _store(kv_heads, head_dim, dtype, batch, kv_bits)
+    quant = store.geometry.quant
     plan = plan_decode(store, allocs)
     q = mx.random.normal((batch, q_heads, 1, head_dim)).astype(dtype)
     sinks = mx.random.normal((q_heads,)).astype(dtype)
@@ -74,16 +83,17 @@ def check(q_heads: int, kv_heads: int, head_dim: int, dtype: mx.Dtype, batch: in
 
             def kernel_path(g=g, keys=keys, values=values, s=s) -> mx.array:
                 return paged_decode(q, keys, values, g.table, g.lengths, g.max_length, scale,
-                                    store.block_size, window=g.window, ring=g.ring_blocks, sinks=s)
+                                    store.block_size, window=g.window, ring=g.ring_blocks, sinks=s,
+                                    quant=quant)
 
             def plain_path(g=g, keys=keys, values=values, s=s) -> mx.array:
-                return plain_decode(q, keys, values, g, scale, store.block_size, sinks=s)
+                return plain_decode(q, keys, values, g, scale, store.block_size, quant, sinks=s)
 
             kernel, kernel_ms = _timed(kernel_path)
             plain, plain_ms = _timed(plain_path)
             diff = float(mx.abs(kernel.astype(mx.float32) - plain.astype(mx.float32)).max())
             rows.append({"layer": name, "sinks": with_sinks, "q_heads": q_heads, "kv_heads": kv_heads,
-                         "head_dim": head_dim, "dtype": str(dtype), "batch": batch,
+                         "head_dim": head_dim, "dtype": str(dtype), "batch": batch, "kv_bits": kv_bits,
                          "max_abs_diff": diff, "ok": diff <= TOLERANCE[dtype],
                          "kernel_ms": round(kernel_ms, 3), "plain_ms": round(plain_ms, 3)})
     return rows
@@ -98,9 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         print("the paged kernel runs on CUDA only; this machine has none", file=sys.stderr)
         return 2
     rows = []
-    for q_heads, kv_heads, head_dim in ((16, 8, 256), (32, 8, 128)):  # Gemma 3 12B, Llama 3 8B
+    cases = [(16, 8, 256, None), (32, 8, 128, None), (32, 8, 128, 8), (32, 8, 128, 4)]
+    for q_heads, kv_heads, head_dim, kv_bits in cases:  # Gemma 3 12B, Llama 3 8B, its quantized KV
         for batch in (1, 32):
-            for row in check(q_heads, kv_heads, head_dim, mx.bfloat16, batch):
+            for row in check(q_heads, kv_heads, head_dim, mx.bfloat16, batch, kv_bits):
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     if args.out:

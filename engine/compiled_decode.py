@@ -66,7 +66,7 @@ class CompiledDecode:
         geo = self.store.geometry
         key = (g.segment.id, inputs.shape[0], g.table.shape[1],
                *decode_graph_key(g, self.q_heads, geo.head_dim, geo.num_kv_heads, plan.block_size,
-                                 geo.kv_bits is not None))
+                                 geo.quant))
         self._streak = self._streak + 1 if key == self._last else 1
         self._last = key
         fn = self.graphs.get(key)

@@ -14,8 +14,9 @@ masked `mx.fast.scaled_dot_product_attention`. A group of one row on consecutive
 (`run_decode`). The fallback serves the CPU and Metal
 (no Metal kernel ships yet), CUDA shapes the kernel does not take (head_dim not a multiple
 of 32), and is the reference the kernel is tested against. Quantized KV
-(`engine.kv.quant`) always takes the plain path (or the slice): its gathered rows are
-decoded to the queries' dtype before the SDPA; the kernel reads only unquantized rows.
+(`engine.kv.quant`) on CUDA takes the kernel's quantized variant, which decodes each
+lane's values as it reads them; elsewhere the plain path (or the slice) decodes the
+gathered rows to the queries' dtype before the SDPA.
 """
 
 from __future__ import annotations
@@ -113,33 +114,42 @@ def _attend_group(q: mx.array, g: DecodeGroup, slot: int, scale: float, block_si
         return run_decode(q, keys, values, g.run_start, g.max_length, scale, quant, sinks)
     if g.kernel is None:  # decided once per step: every layer has the same shapes
         g.kernel = (_window_kernel_enabled or (g.ring is None and sinks is None)) and \
-            _takes_kernel(q.shape[1], q.shape[-1], keys.shape[1], quant is not None)
+            _takes_kernel(q.shape[1], q.shape[-1], keys.shape[1], quant)
     if g.kernel:
         return paged_decode(q, keys, values, g.table, g.lengths, g.max_length, scale, block_size,
-                            window=g.window, ring=g.ring_blocks, sinks=sinks)
+                            window=g.window, ring=g.ring_blocks, sinks=sinks, quant=quant)
     return plain_decode(q, keys, values, g, scale, block_size, quant, sinks)
 
 
 def decode_reads_in_place(geometry: KVGeometry, window: int | None) -> bool:
     """Whether a decode step attends this group's layers straight from the pool (the CUDA
     kernel), rather than gathering each layer's rows (`engine.kv.decode_transient`)."""
-    if geometry.gather or not kernel_active() or geometry.kv_bits is not None:
+    quant = geometry.quant
+    if geometry.gather or not kernel_active() or (quant is not None and not kernel_reads(quant)):
         return False
     return geometry.head_dim % 32 == 0 and (window is None or _window_kernel_enabled)
 
 
-def _takes_kernel(q_heads: int, head_dim: int, kv_heads: int, quantized: bool = False) -> bool:
-    """The CUDA kernel reads rows of the model's dtype: quantized KV takes the plain path."""
-    return kernel_active() and not quantized and head_dim % 32 == 0 and q_heads % kv_heads == 0
+def _takes_kernel(q_heads: int, head_dim: int, kv_heads: int, quant: KVQuant | None = None) -> bool:
+    """The CUDA kernel reads rows of the model's dtype, or quantized rows whose groups hold
+    whole lanes' values (each lane decodes head_dim / 32 of them)."""
+    if quant is not None and not kernel_reads(quant):
+        return False
+    return kernel_active() and head_dim % 32 == 0 and q_heads % kv_heads == 0
+
+
+def kernel_reads(quant: KVQuant) -> bool:
+    """Whether the kernel decodes these quantized rows: a lane's values in one group."""
+    return quant.head_dim % 32 == 0 and quant.group_size % (quant.head_dim // 32) == 0
 
 
 def decode_graph_key(g: DecodeGroup, q_heads: int, head_dim: int, kv_heads: int,
-                     block_size: int, quantized: bool = False) -> tuple[int, ...]:
+                     block_size: int, quant: KVQuant | None = None) -> tuple[int, ...]:
     """What a group's attention graph depends on besides its arrays' shapes: two steps
     with equal keys (and equal shapes) build the same graph, so a traced step
     (`engine.compiled_decode`) may replay it. Each path's use of `max_length` goes through
     the same function here as in the path itself."""
-    if _takes_kernel(q_heads, head_dim, kv_heads, quantized):
+    if _takes_kernel(q_heads, head_dim, kv_heads, quant):
         return (1, *partition_split(g.write.shape[0], kv_heads, decode_span(g)))
     return (0, g.plain_blocks(block_size))
 

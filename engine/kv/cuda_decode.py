@@ -27,6 +27,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.kv.device_vectors import device_vector
+from engine.kv.quant import KVQuant
 
 WARPS = 4
 UNROLL = 4  # tokens per warp step (1 = one token at a time, the first version)
@@ -183,6 +184,54 @@ _RING_SOURCE = (
     .replace("s[u] = j0 + u < end ? x : NEG_INF;", "s[u] = (j0 + u < end && j0 + u >= lo) ? x : NEG_INF;")
 )
 
+# Quantized KV (`engine.kv.quant`): a slot holds, per head, RW uint32 words, PW of packed
+# values then NG scales and NG biases of T. Each lane decodes its E values of the row where
+# it reads them (one word of 8-bit values, half a word of 4-bit ones, for head_dim 128), so
+# a decode step gathers nothing and dequantizes nothing beside the kernel.
+_QUANT_LOADS = r"""            #pragma unroll
+            for (int e = 0; e < E; ++e) {
+                kv[u][e] = 0.f;
+                vv[u][e] = 0.f;
+            }
+            if (live) {
+                const unsigned* kr = k_pool + base;
+                const unsigned* vr = v_pool + base;
+                const T* ka = reinterpret_cast<const T*>(kr + PW);
+                const T* va = reinterpret_cast<const T*>(vr + PW);
+                const int grp = (lane * E) / GS;
+                const float ks = static_cast<float>(ka[grp]), kb = static_cast<float>(ka[NG + grp]);
+                const float vs = static_cast<float>(va[grp]), vb = static_cast<float>(va[NG + grp]);
+                #pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    const int i = lane * E + e;
+                    const int sh = (i % (32 / BITS)) * BITS;
+                    const unsigned mask = (1u << BITS) - 1u;
+                    kv[u][e] = ks * static_cast<float>((kr[i / (32 / BITS)] >> sh) & mask) + kb;
+                    vv[u][e] = vs * static_cast<float>((vr[i / (32 / BITS)] >> sh) & mask) + vb;
+                }
+            }
+"""
+_PLAIN_LOADS = r"""            #pragma unroll
+            for (int e = 0; e < E; ++e) {
+                kv[u][e] = live ? static_cast<float>(k_pool[base + e]) : 0.f;
+                vv[u][e] = live ? static_cast<float>(v_pool[base + e]) : 0.f;
+            }
+"""
+
+
+def _quantized(source: str) -> str:
+    """`source` reading quantized rows of RW words (one of the variants above)."""
+    assert source.count(_PLAIN_LOADS) == 1
+    return (source
+            .replace("* H + h) * D + lane * E;", "* H + h) * RW;")
+            .replace("const size_t base = base0 + (size_t)u * H * D;",
+                     "const size_t base = base0 + (size_t)u * H * RW;")
+            .replace(_PLAIN_LOADS, _QUANT_LOADS))
+
+
+_QUANT_SOURCE = _quantized(_SOURCE)
+_QUANT_RING_SOURCE = _quantized(_RING_SOURCE)
+
 # gpt-oss's sinks: one logit per query head that joins each row's softmax with no value.
 _SINKS_MERGE_SOURCE = (
     _MERGE_SOURCE
@@ -244,6 +293,13 @@ def _get_ring_kernel() -> Any:
         "headroom_paged_decode_ring", _RING_SOURCE, ("first", "ring")))
 
 
+def _get_quant_kernel(ring: bool) -> Any:
+    if ring:
+        return _built_once("quant_ring", lambda: build_kernel(
+            "headroom_paged_decode_quant_ring", _QUANT_RING_SOURCE, ("first", "ring")))
+    return _built_once("quant", lambda: build_kernel("headroom_paged_decode_quant", _QUANT_SOURCE))
+
+
 def _get_sinks_merge_kernel() -> Any:
     return _built_once("sinks", lambda: build_merge_kernel(
         "headroom_paged_decode_merge_sinks", _SINKS_MERGE_SOURCE, ("sinks",)))
@@ -287,15 +343,19 @@ class _Launch:
 
 @functools.lru_cache(maxsize=64)
 def _launch(b: int, hq: int, h: int, d: int, part: int, parts: int, dtype: mx.Dtype, block_size: int,
-            unroll: int) -> _Launch:
+            unroll: int, quant: KVQuant | None = None) -> _Launch:
     """Keyed by the partition, not the length: a growing context reuses it until the
     partition count changes."""
     if d % 32 or hq % h:
         raise ValueError(f"paged kernel needs head_dim % 32 == 0 and GQA groups (got {d}, {hq}/{h})")
     u = unroll if block_size % unroll == 0 else 1
+    rows: list[tuple[str, Any]] = []
+    if quant is not None:
+        rows = [("BITS", quant.bits), ("GS", quant.group_size), ("PW", quant.packed_words),
+                ("NG", quant.groups), ("RW", quant.row_words)]
     return _Launch(
         template=[("T", dtype), ("D", d), ("H", h), ("REP", hq // h), ("BS", block_size),
-                  ("WARPS", WARPS), ("U", u)],
+                  ("WARPS", WARPS), ("U", u), *rows],
         grid=(32 * WARPS * b * h, parts, 1),
         output_shapes=[(b, hq, parts, d), (b, hq, parts), (b, hq, parts)],
         part=device_vector([part]),
@@ -315,10 +375,12 @@ def paged_decode(
     window: int | None = None,
     ring: mx.array | None = None,
     sinks: mx.array | None = None,
+    quant: KVQuant | None = None,
 ) -> mx.array:
     """q [B, Hq, 1, D]; pools [slots, H, D]; table [B, NB] int32; lengths [B] int32. A
     window layer's rows attend their last `window` positions through rings of `ring` [B]
-    blocks; `sinks` [Hq] joins each query head's softmax (gpt-oss)."""
+    blocks; `sinks` [Hq] joins each query head's softmax (gpt-oss); with `quant`, the pools
+    hold quantized rows [slots, H, row_words] (`engine.kv.quant`), decoded as they are read."""
     b, hq, _, d = q.shape
     h = k_pool.shape[1]
     first = None
@@ -326,14 +388,14 @@ def paged_decode(
         assert window is not None
         first = mx.maximum(lengths - window, 0)
     span = window_span(max_length, window if ring is not None else None)
-    launch = _launch(b, hq, h, d, *partition_split(b, h, span), q.dtype, block_size, UNROLL)
+    launch = _launch(b, hq, h, d, *partition_split(b, h, span), q.dtype, block_size, UNROLL, quant)
     sc = _scales.get(scale)
     if sc is None:
         sc = _scales[scale] = device_vector([scale], mx.float32)
     inputs = [q, k_pool, v_pool, table, lengths, sc, launch.part]
-    kernel = _get_kernel()
+    kernel = _get_kernel() if quant is None else _get_quant_kernel(ring is not None)
     if ring is not None:
-        kernel = _get_ring_kernel()
+        kernel = _get_ring_kernel() if quant is None else kernel
         inputs += [first, ring]
     out, m, l_sum = kernel(
         inputs=inputs,

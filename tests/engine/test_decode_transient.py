@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -23,7 +22,7 @@ from engine.kv.decode_transient import decode_gather_bytes
 from memory import MemoryGuard
 from memory.ceiling import Tier
 from tests.engine.conftest import Harness
-from tests.memory.memtest_helpers import GiB, FixedProbe, snap
+from tests.memory.memtest_helpers import FixedProbe, GiB, snap
 
 CONFIG = {"model_type": "llama", "hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8,
           "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 1024, "vocab_size": 512,

@@ -18,13 +18,16 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from engine import qmm_cuda
 from engine.kv import cuda_decode
+from engine.kv.quant import KVQuant
 
 CUDA_TYPES = {"bfloat16": "__nv_bfloat16", "float16": "__half", "float32": "float"}
 PRELUDE = r"""
+typedef unsigned int uint32_t;
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 struct Shape { int data[8]; __device__ int operator[](int i) const { return data[i]; } };
@@ -60,16 +63,21 @@ def nvrtc_paths() -> tuple[Path, Path] | None:
 
 def paged_kernel_source(source: str, dtype: str, *, head_dim: int = 128, kv_heads: int = 8, rep: int = 4,
                         block_size: int = 16, unroll: int = cuda_decode.UNROLL,
-                        warps: int = cuda_decode.WARPS, ring: bool = False) -> str:
+                        warps: int = cuda_decode.WARPS, ring: bool = False,
+                        quant: KVQuant | None = None) -> str:
     """`source` (the body `cuda_decode` hands MLX) wrapped as MLX wraps it; `ring`: with the
-    window variant's two inputs."""
+    window variant's two inputs; `quant`: pools of quantized rows, with their constants."""
     t = CUDA_TYPES[dtype]
     extra = "const int* first, const int* ring, " if ring else ""
-    signature = (f"__global__ void paged(const {t}* q, const {t}* k_pool, const {t}* v_pool, "
+    pool = t if quant is None else "uint32_t"
+    signature = (f"__global__ void paged(const {t}* q, const {pool}* k_pool, const {pool}* v_pool, "
                  "const int* table, const __grid_constant__ Shape table_shape, const int* lengths, "
                  f"const float* scale, const int* part, {extra}float* out, float* out_m, float* out_l) {{\n")
     consts = {"D": head_dim, "H": kv_heads, "REP": rep, "BS": block_size, "WARPS": warps,
               "U": unroll}
+    if quant is not None:
+        consts |= {"BITS": quant.bits, "GS": quant.group_size, "PW": quant.packed_words,
+                   "NG": quant.groups, "RW": quant.row_words}
     body = f"  using T = {t};\n" + "".join(f"  constexpr int {k} = {v};\n" for k, v in consts.items())
     return PRELUDE + cuda_decode._HEADER + signature + body + source + "\n}\n"
 
@@ -173,5 +181,18 @@ def small_m_qmm_source(*, bits: int, group_size: int, row_tiles: int, split: boo
 def test_the_small_m_quantized_product_compiles_without_spills(nvrtc: Nvrtc, bits: int, row_tiles: int,
                                                                 split: bool) -> None:
     result = nvrtc.compile(small_m_qmm_source(bits=bits, group_size=64, row_tiles=row_tiles, split=split))
+    assert result.ok, result.log
+    assert result.spill_bytes == 0 and result.registers is not None and result.registers <= 255
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize(("bits", "group_size"), [(8, 64), (4, 64), (8, 32), (4, 128)])
+@pytest.mark.parametrize("ring", [False, True])
+def test_the_quantized_kv_kernel_compiles_without_spills(nvrtc: Nvrtc, dtype: str, bits: int,
+                                                         group_size: int, ring: bool) -> None:
+    quant = KVQuant(bits, group_size, 128, getattr(mx, dtype))
+    source = cuda_decode._QUANT_RING_SOURCE if ring else cuda_decode._QUANT_SOURCE
+    assert source.count("* RW") == 2 and "static_cast<float>(k_pool[" not in source
+    result = nvrtc.compile(paged_kernel_source(source, dtype, ring=ring, quant=quant))
     assert result.ok, result.log
     assert result.spill_bytes == 0 and result.registers is not None and result.registers <= 255

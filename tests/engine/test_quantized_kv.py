@@ -193,3 +193,38 @@ def test_speculative_drafts_on_quantized_kv_give_the_tokens_of_plain_decoding(ma
     assert runs[1].out.tokens["s"] == runs[0].out.tokens["s"]
     report = runs[1].core.stats.speculative
     assert report is not None and report["accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_layers_take_the_kernel_on_cuda_and_gather_nothing(bits: int,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's quantized variant decodes each lane's values as it reads them (checked
+    against the plain path on a GPU by `python -m bench.kernel_check`): on CUDA quantized KV
+    takes it, full and window layers alike, and admission asks for no decode gathers."""
+    from engine.kv import attention
+    from engine.kv.decode_transient import decode_gather_bytes
+
+    launched: list[tuple[int | None, KVQuant | None]] = []
+
+    def kernel(q, keys, values, table, lengths, max_length, scale, block_size, *, window=None,
+               ring=None, sinks=None, quant=None):
+        launched.append((window, quant))
+        return mx.zeros(q.shape, q.dtype)
+
+    monkeypatch.setattr(attention, "paged_decode", kernel)
+    geometry = KVGeometry(2, 2, 64, mx.float32, windows=(16, None), kv_bits=bits)
+    store = KVStore(geometry, segment_tokens=1024, chunk_tokens=16)
+    allocs = [store.reserve(f"r{i}", 100) for i in range(2)]
+    for alloc in allocs:
+        alloc.length = 60
+    q = mx.zeros((2, 2, 1, 64))
+    assert decode_gather_bytes(store, [100, 100]) > 0  # the CPU: the plain path gathers
+    try:
+        attention.use_kernel(True)
+        for cache in decode_caches(plan_decode(store, allocs), geometry.num_layers):
+            attention.decode_attention(q, cache, 0.1)
+        assert sorted(w or 0 for w, _ in launched) == [0, 16]
+        assert all(quant == geometry.quant for _, quant in launched)
+        assert decode_gather_bytes(store, [100, 100]) == 0
+    finally:
+        attention.use_kernel(None)

@@ -214,7 +214,7 @@ def test_window_layers_take_the_kernel_on_cuda(monkeypatch: pytest.MonkeyPatch) 
     launched: list[int | None] = []
 
     def kernel(q, keys, values, table, lengths, max_length, scale, block_size, *, window=None,
-               ring=None, sinks=None):
+               ring=None, sinks=None, quant=None):
         launched.append(window)
         return mx.zeros(q.shape, q.dtype)
 
