@@ -117,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--small-m-kernel", action=argparse.BooleanOptionalAction, default=None,
                        help="on CUDA, quantized products of up to 64 rows (a decode batch) take the "
                        "project's tensor-core kernel where it times faster than MLX's at load "
-                       "(default on)")
+                       "(default off)")
     serve.add_argument("--kv-bits", type=int, choices=[4, 8],
                        help="hold keys and values quantized to 8 or 4 bits (with a scale and a bias "
                        "per --kv-group-size values); the guard counts the quantized size "

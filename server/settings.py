@@ -140,8 +140,8 @@ class Settings(BaseSettings):
         True, description="one matmul for q/k/v and one for gate/up per layer, fused at load (engine.fusion)"
     )
     small_m_kernel: bool = Field(
-        True, description="on CUDA, quantized products of up to 64 rows take the project's kernel "
-        "where it times faster than MLX's at load (engine.qmm_choice)",
+        False, description="on CUDA, quantized products of up to 64 rows take the project's kernel "
+        "where it times faster than MLX's at load and agrees with it (engine.qmm_choice)",
     )
     kv_bits: Literal[4, 8] | None = Field(
         None, description="quantize the KV store to 8 or 4 bits per value, with a scale and a bias "

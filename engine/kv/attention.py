@@ -14,9 +14,9 @@ masked `mx.fast.scaled_dot_product_attention`. A group of one row on consecutive
 (`run_decode`). The fallback serves the CPU and Metal
 (no Metal kernel ships yet), CUDA shapes the kernel does not take (head_dim not a multiple
 of 32), and is the reference the kernel is tested against. Quantized KV
-(`engine.kv.quant`) on CUDA takes the kernel's quantized variant, which decodes each
-lane's values as it reads them; elsewhere the plain path (or the slice) decodes the
-gathered rows to the queries' dtype before the SDPA.
+(`engine.kv.quant`) takes the plain path (or the slice), which decodes the gathered rows
+to the queries' dtype before the SDPA; on CUDA the kernel's quantized variant, which
+decodes each lane's values as it reads them, replaces it where `use_quant_kernel(True)`.
 """
 
 from __future__ import annotations
@@ -39,12 +39,22 @@ _kernel_enabled: bool | None = None
 # (`python -m bench.kernel_check`: every case within bf16's tolerance, 7-11x faster at a
 # batch of 32; bench/results/2026-12-07-h100-80gb-hbm3-kernel-check). Off: the plain path.
 _window_kernel_enabled = True
+# The kernel's quantized-KV variant: compiled here (NVRTC), not yet run against the plain
+# path on a GPU (`python -m bench.kernel_check` does). Off: quantized KV takes the plain path.
+_quant_kernel_enabled = False
 
 
 def use_kernel(enabled: bool | None) -> None:
     """Force the CUDA kernel on or off (None: on whenever CUDA is the default device)."""
     global _kernel_enabled
     _kernel_enabled = enabled
+
+
+def use_quant_kernel(enabled: bool) -> None:
+    """Let the CUDA kernel read quantized KV rows in place (off by default), or keep them
+    on the plain path, which gathers and decodes each layer's rows."""
+    global _quant_kernel_enabled
+    _quant_kernel_enabled = enabled
 
 
 def use_window_kernel(enabled: bool) -> None:
@@ -140,7 +150,8 @@ def _takes_kernel(q_heads: int, head_dim: int, kv_heads: int, quant: KVQuant | N
 
 def kernel_reads(quant: KVQuant) -> bool:
     """Whether the kernel decodes these quantized rows: a lane's values in one group."""
-    return quant.head_dim % 32 == 0 and quant.group_size % (quant.head_dim // 32) == 0
+    return (_quant_kernel_enabled and quant.head_dim % 32 == 0
+            and quant.group_size % (quant.head_dim // 32) == 0)
 
 
 def decode_graph_key(g: DecodeGroup, q_heads: int, head_dim: int, kv_heads: int,

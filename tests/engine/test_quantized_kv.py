@@ -198,9 +198,10 @@ def test_speculative_drafts_on_quantized_kv_give_the_tokens_of_plain_decoding(ma
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_layers_take_the_kernel_on_cuda_and_gather_nothing(bits: int,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernel's quantized variant decodes each lane's values as it reads them (checked
-    against the plain path on a GPU by `python -m bench.kernel_check`): on CUDA quantized KV
-    takes it, full and window layers alike, and admission asks for no decode gathers."""
+    """The kernel's quantized variant decodes each lane's values as it reads them (`python
+    -m bench.kernel_check` checks it against the plain path on a GPU): once it is turned on,
+    quantized KV takes it on CUDA, full and window layers alike, and admission asks for no
+    decode gathers. Off, quantized layers stay on the plain path."""
     from engine.kv import attention
     from engine.kv.decode_transient import decode_gather_bytes
 
@@ -223,8 +224,13 @@ def test_quantized_layers_take_the_kernel_on_cuda_and_gather_nothing(bits: int,
         attention.use_kernel(True)
         for cache in decode_caches(plan_decode(store, allocs), geometry.num_layers):
             attention.decode_attention(q, cache, 0.1)
+        assert launched == [] and decode_gather_bytes(store, [100, 100]) > 0  # off by default
+        attention.use_quant_kernel(True)
+        for cache in decode_caches(plan_decode(store, allocs), geometry.num_layers):
+            attention.decode_attention(q, cache, 0.1)
         assert sorted(w or 0 for w, _ in launched) == [0, 16]
         assert all(quant == geometry.quant for _, quant in launched)
         assert decode_gather_bytes(store, [100, 100]) == 0
     finally:
         attention.use_kernel(None)
+        attention.use_quant_kernel(False)
