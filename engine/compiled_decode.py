@@ -13,8 +13,9 @@ for an 8B model and MLX encodes each, while the device waits about 0.1 ms per st
 an in-process A/B measured 11.25 against 9.28 ms per step at batch 32 on the H200,
 with the same tokens and the same peak memory.
 
-What is traced. The model's forward over one group of rows (one KV segment), as a pure
-function of the step's arrays and the segment's layer arrays, which it returns updated:
+What is traced. The model's forward over the step's rows, as a pure function of the step's
+arrays (each group's write slots, block tables, lengths and window rings, whatever the
+segments and layer groups) and its segments' layer arrays, which it returns updated:
 the KV writes stay in place, because the caller drops its references to the old arrays
 before the step is evaluated. Sampling stays eager.
 
@@ -57,51 +58,102 @@ class CompiledDecode:
 
     def logits(self, plan: DecodePlan, inputs: mx.array) -> mx.array | None:
         """The step's [B, vocab] logits from a traced graph, or None: run this step eagerly."""
-        # Rows in several segments (rare), or one row read as a slice of the pool, whose
-        # length is in the graph's shapes (engine.kv.attention.run_decode): left eager.
-        if len(plan.groups) != 1 or plan.groups[0].run_start is not None:
+        groups = plan.all_groups()
+        # One row read as a slice of the pool, whose length is in the graph's shapes
+        # (engine.kv.attention.run_decode): left eager.
+        if any(g.run_start is not None for g in groups):
             self._last = None
             return None
-        (g,) = plan.groups
+        segments = list({id(g.segment): g.segment for g in groups}.values())
+        where = {id(seg): i for i, seg in enumerate(segments)}
         geo = self.store.geometry
-        key = (g.segment.id, inputs.shape[0], g.table.shape[1],
-               *decode_graph_key(g, self.q_heads, geo.head_dim, geo.num_kv_heads, plan.block_size,
-                                 geo.quant))
+        specs = tuple(_GroupSpec(where[id(g.segment)], g.rows is not None, g.window, g.ring is not None,
+                                 g.max_length) for g in groups)
+        key = (tuple(seg.id for seg in segments), inputs.shape[0], plan.order is not None,
+               plan.layout(), *(
+                   (spec.segment, spec.rows, g.write.shape[0], g.table.shape[1], g.window, spec.ring,
+                    *decode_graph_key(g, self.q_heads, geo.head_dim, geo.num_kv_heads, plan.block_size,
+                                      geo.quant))
+                   for spec, g in zip(specs, groups, strict=True)))
         self._streak = self._streak + 1 if key == self._last else 1
         self._last = key
         fn = self.graphs.get(key)
         if fn is None:
             if self._streak < self.after:
                 return None
-            fn = self.graphs[key] = mx.compile(self._forward(g.max_length, plan.block_size))
+            fn = self.graphs[key] = mx.compile(self._forward(
+                specs, plan.layout(), tuple(len(seg.keys) for seg in segments), plan.order is not None,
+                plan.block_size))
             self.traces += 1
             if len(self.graphs) > self.keep:
                 self.graphs.popitem(last=False)
         else:
             self.graphs.move_to_end(key)
-        seg = g.segment
-        layers = geo.num_layers
-        out = fn(inputs, g.write, g.table, g.lengths, plan.offsets, *seg.keys, *seg.values)
-        seg.keys[:] = out[1 : 1 + layers]
-        seg.values[:] = out[1 + layers :]
+        arrays = [] if plan.order is None else [plan.order]
+        for g in groups:
+            arrays += [] if g.rows is None else [g.rows]
+            arrays += [g.write, g.table, g.lengths]
+            arrays += [] if g.ring is None else [g.ring, g.ring_blocks]
+        pool = [a for seg in segments for a in (*seg.keys, *seg.values)]
+        out = fn(inputs, plan.offsets, *arrays, *pool)
+        at = 1
+        for seg in segments:
+            n = len(seg.keys)
+            seg.keys[:] = out[at : at + n]
+            seg.values[:] = out[at + n : at + 2 * n]
+            at += 2 * n
         self.replays += 1
         return out[0]
 
-    def _forward(self, max_length: int, block_size: int) -> Callable[..., tuple[mx.array, ...]]:
-        """The step as a function of arrays only. `max_length` reaches the graph only
-        through the graph key, so any step with this key may replay it. The closure holds
-        no segment: a kept graph must not keep a released segment's arrays alive."""
-        model, layers, quant = self.model, self.store.geometry.num_layers, self.store.geometry.quant
+    def _forward(self, specs: tuple[_GroupSpec, ...], layout: tuple[int, ...],
+                 segment_layers: tuple[int, ...], ordered: bool,
+                 block_size: int) -> Callable[..., tuple[mx.array, ...]]:
+        """The step as a function of arrays only: the plan's groups (in `layout`'s layer
+        groups), rebuilt from their arrays over stand-ins for the segments. Each group's
+        `max_length` reaches the graph only through the graph key, so any step with this key
+        may replay it. The closure holds no segment: a kept graph must not keep a released
+        segment's arrays alive."""
+        model, geo = self.model, self.store.geometry
+        layers, quant = geo.num_layers, geo.quant
+        slots = geo.layer_slots if len(geo.groups) > 1 else ()
 
-        def forward(tokens: mx.array, write: mx.array, table: mx.array, lengths: mx.array,
-                    offsets: mx.array, *pool: mx.array) -> tuple[mx.array, ...]:
-            traced = _Pool(list(pool[:layers]), list(pool[layers:]))
-            group = DecodeGroup(traced, None, write, table, lengths, max_length)  # type: ignore[arg-type]
-            caches = decode_caches(DecodePlan([group], offsets, None, block_size, quant), layers)
-            logits = model(tokens[:, None], cache=caches)[:, -1, :]
-            return (logits, *traced.keys, *traced.values)
+        def forward(tokens: mx.array, offsets: mx.array, *arrays: mx.array) -> tuple[mx.array, ...]:
+            it = iter(arrays)
+            order = next(it) if ordered else None
+            taken = []
+            for spec in specs:
+                rows = next(it) if spec.rows else None
+                write, table, lengths = next(it), next(it), next(it)
+                ring, ring_blocks = (next(it), next(it)) if spec.ring else (None, None)
+                taken.append((spec, rows, write, table, lengths, ring, ring_blocks))
+            pools = []
+            for n in segment_layers:
+                keys = [next(it) for _ in range(n)]
+                pools.append(_Pool(keys, [next(it) for _ in range(n)]))
+            built = [DecodeGroup(pools[spec.segment], rows, write, table, lengths,  # type: ignore[arg-type]
+                                 spec.max_length, window=spec.window, ring=ring, ring_blocks=ring_blocks)
+                     for spec, rows, write, table, lengths, ring, ring_blocks in taken]
+            per_group, at = [], 0
+            for count in layout:
+                per_group.append(built[at : at + count])
+                at += count
+            plan = DecodePlan(per_group[0], offsets, order, block_size, quant, tuple(per_group[1:]), slots)
+            logits = model(tokens[:, None], cache=decode_caches(plan, layers))[:, -1, :]
+            return (logits, *(a for p in pools for a in (*p.keys, *p.values)))
 
         return forward
+
+
+@dataclass(frozen=True)
+class _GroupSpec:
+    """What a traced step knows of one of its groups besides the arrays: which segment it
+    lives in, whether it names its rows, its window and ring, and its longest row."""
+
+    segment: int
+    rows: bool
+    window: int | None
+    ring: bool
+    max_length: int
 
 
 @dataclass

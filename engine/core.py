@@ -310,9 +310,9 @@ class EngineCore:
         else:
             overlap = on_cuda_by_default(config.decode_overlap, loaded.backend)
             compiled = None
-            # a window group's decode reads its rings through arrays a traced step does not take
+            # a model attending with its own code on gathered K/V stays eager (untried traced)
             geo = self.store.geometry
-            traceable = not geo.windowed and not geo.gather
+            traceable = not geo.gather
             if on_cuda_by_default(config.compile_decode, loaded.backend) and traceable:
                 compiled = CompiledDecode(self.model, self.store, loaded.geometry.num_heads,
                                           after=config.compile_after)

@@ -351,6 +351,14 @@ class DecodePlan:
             self._lengths_mask = (positions <= self.offsets[:, None])[:, None, None, :]
         return self._lengths_mask
 
+    def all_groups(self) -> list[DecodeGroup]:
+        """Every layer group's groups of rows, the first layer group's first."""
+        return [*self.groups, *(g for more in self.more for g in more)]
+
+    def layout(self) -> tuple[int, ...]:
+        """How many groups of rows each layer group has (`all_groups` in order)."""
+        return (len(self.groups), *(len(more) for more in self.more))
+
     def of_layer(self, layer: int) -> tuple[list[DecodeGroup], int]:
         """The groups of rows a layer attends through, and its array in their segments."""
         if not self.layer_slots:

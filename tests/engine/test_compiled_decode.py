@@ -134,3 +134,60 @@ def test_requests_of_nearby_sizes_replay_one_another_s_graphs(make_engine):
     for rid in ("r0", "r1"):
         assert compiled.out.tokens[rid] == eager.out.tokens[rid], rid
         assert compiled.out.logprobs[rid] == pytest.approx(eager.out.logprobs[rid], abs=1e-4), rid
+
+
+def _segments_seen(h) -> int:
+    """Steps until every request finished, counting the most segments live at once."""
+    most = 0
+    for _ in range(10_000):
+        if h.out.finished.keys() >= {r.request_id for r in _requests()}:
+            return most
+        most = max(most, len(h.core.store.segments))
+        h.step()
+    raise AssertionError("engine did not finish")
+
+
+def _run_counting(make_engine, **config: object):
+    h = make_engine(prefill_step_size=64, max_concurrency=8, prefix_cache_bytes=0, **config)
+    requests = _requests()
+    for req in requests[:3]:
+        h.submit(req)
+    h.run_until(lambda: len(h.core.batch.seqs) >= 3)
+    for _ in range(12):
+        h.step()
+    for req in requests[3:]:
+        h.submit(req)
+    return h, _segments_seen(h)
+
+
+def _same_tokens(compiled, eager) -> None:
+    for req in _requests():
+        rid = req.request_id
+        assert compiled.out.tokens[rid] == eager.out.tokens[rid], rid
+        assert compiled.out.logprobs[rid] == pytest.approx(eager.out.logprobs[rid], abs=1e-4), rid
+
+
+def test_window_layers_replay_the_eager_steps_tokens(make_engine, window_loaded):
+    """Window groups' rings (a window of 64 tokens, rows of up to 370) are arrays of the
+    traced step like the full group's tables: the replayed steps give the eager tokens."""
+    eager = _run(make_engine, loaded=window_loaded, compile_decode=False)
+    compiled = _run(make_engine, loaded=window_loaded, compile_decode=True, compile_after=2)
+    assert compiled.core.store.geometry.windowed
+    stats = compiled.core.stats
+    assert stats.decode_traces >= 2 and stats.compiled_steps >= 3 * stats.decode_traces
+    _same_tokens(compiled, eager)
+
+
+@pytest.mark.parametrize("window", [False, True])
+def test_rows_in_several_segments_replay_the_eager_steps_tokens(make_engine, window_loaded, window: bool):
+    """Segments of 512 tokens hold one or two of the requests each: a step's rows live in
+    several segments (each its own group, reordered after), and it still replays."""
+    loaded = {"loaded": window_loaded} if window else {}
+    eager, _ = _run_counting(make_engine, compile_decode=False, kv_segment_tokens=512, **loaded)
+    compiled, segments = _run_counting(make_engine, compile_decode=True, compile_after=2,
+                                       kv_segment_tokens=512, **loaded)
+    assert segments >= 2
+    stats = compiled.core.stats
+    assert stats.decode_traces >= 2 and stats.compiled_steps >= 3 * stats.decode_traces
+    assert any(len(key[0]) > 1 for key in compiled.core.batch.compiled.graphs)  # a graph over segments
+    _same_tokens(compiled, eager)
