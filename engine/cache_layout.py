@@ -167,6 +167,27 @@ class CacheLayout:
         return windows if any(w is not None for w in windows) else None
 
     @cached_property
+    def paged_states(self) -> tuple[bool, ...] | None:
+        """Which entries hold recurrent state (True) where the paged store holds the rest: a
+        hybrid whose entries are each a plain `KVCache` (all of one shape; MLA's latent keys
+        and rotary values too, through the gather path) or an `ArraysCache` (conv window,
+        SSM or delta-net state: `engine.kv.state`), at least one of each, one per layer,
+        rows batched. None otherwise."""
+        if not self._one_per_layer:
+            return None
+        kv = [c for c in self.layers if c.kind != STATE]
+        if not kv or len(kv) == len(self.layers):
+            return None
+        first = kv[0]
+        if not all(c.cache_type == "ArraysCache" for c in self.layers if c.kind == STATE) or not all(
+            c.cache_type == "KVCache" and c.kind == FULL and c.key_dim > 0 and c.value_dim > 0
+            and (c.kv_heads, c.key_dim, c.value_dim) == (first.kv_heads, first.key_dim, first.value_dim)
+            for c in kv
+        ):
+            return None
+        return tuple(c.kind == STATE for c in self.layers)
+
+    @cached_property
     def mergeable(self) -> bool:
         """Every entry batches through mlx-lm's `merge` / `extend` / `filter`."""
         return all(c.mergeable for c in self.layers)

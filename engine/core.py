@@ -24,7 +24,8 @@ from engine.device_errors import is_out_of_memory
 from engine.errors import EngineStepError, InsufficientMemoryError, MemoryProbeUnavailableError
 from engine.kv import KVGeometry, KVStore, install_attention_hook
 from engine.kv.buckets import QUERY_FLOOR, QUERY_QUANTUM, default_key_bucket, default_plan_ms
-from engine.kv.store import default_segment_tokens
+from engine.kv.state import Snapshot, StateRows, make_state_caches
+from engine.kv.store import SharedPrefix, default_segment_tokens
 from engine.loader import LoadedModel, device_memory_bytes, on_cuda_by_default
 from engine.prefix import ChainKey, PrefixCache, PrefixCacheStats
 from engine.prefix.checkpoints import checkpoints_between
@@ -118,6 +119,9 @@ class EngineConfig:
     # model's own attention run on each decode row's gathered K/V (`KVGeometry.gather`);
     # False: served through mlx-lm's own caches (engine.dense), as before.
     paged_gather: bool = True
+    # Hybrids' attention layers in the paged store, their recurrent state beside it
+    # (engine.kv.state). False: served through mlx-lm's own caches (engine.dense), as before.
+    paged_states: bool = True
     # Plan a lone prompt's next prefill chunk's attention shape while this chunk runs, where
     # shapes are planned (engine.kv.plan_ahead). False: an A/B.
     plan_ahead: bool = True
@@ -211,7 +215,8 @@ def quantized_kv(loaded: LoadedModel, config: EngineConfig) -> KVGeometry | None
     """The paged store's geometry with the configured KV quantization (None: the model is
     not served by the paged store). The store refuses bits or a group size that do not fit
     the heads (`engine.kv.quant.KVQuant`)."""
-    kv = loaded.kv_geometry(windows=config.paged_windows, gather=config.paged_gather)
+    kv = loaded.kv_geometry(windows=config.paged_windows, gather=config.paged_gather,
+                            states=config.paged_states)
     if kv is None or config.kv_bits is None:
         return kv
     if kv.gather:
@@ -265,6 +270,10 @@ class EngineCore:
             if kv.gather:
                 log.info("serving %s from the paged store through its own attention (keys %d, values %d "
                          "wide, %d heads)", loaded.model_id, kv.head_dim, kv.value_dim, kv.num_kv_heads)
+            if kv.states:
+                log.info("serving %s with its %d attention layers in the paged store and the state of "
+                         "its %d recurrent layers beside it (%d bytes a sequence)", loaded.model_id,
+                         kv.num_layers, sum(kv.states), kv.state_bytes)
         else:
             if config.kv_bits is not None:
                 raise ValueError(f"quantized KV needs the paged KV store, and {loaded.model_id}'s "
@@ -293,14 +302,15 @@ class EngineCore:
         self._prefix_budget = 0  # what the cache may hold now (the last upkeep's room)
         if config.prefix_cache_dir and config.prefix_cache_bytes != 0:
             geo = getattr(self.store, "geometry", None)
-            if isinstance(self.store, KVStore) and not geo.windowed and not geo.gather:
+            if isinstance(self.store, KVStore) and not geo.windowed and not geo.gather and not geo.states:
                 self.prefix_cache.disk = open_disk_tier(
                     config.prefix_cache_dir, config.prefix_cache_disk_bytes, loaded.path, self.store)
                 self.prefix_cache.prefill_rate = self._prefill_rate
                 self.prefix_cache.prefill_seconds = self._prefill_seconds
             else:  # its blocks are copies of rings, keys and values of two widths, or no blocks
                 log.warning("prefix cache: no disk tier for %s (%s): --prefix-cache-dir is ignored",
-                            loaded.model_id, "window layers" if geo is not None and geo.windowed else
+                            loaded.model_id, "recurrent state" if geo is not None and geo.states else
+                            "window layers" if geo is not None and geo.windowed else
                             "keys and values of two widths" if geo is not None else "mlx-lm's own caches")
         self.batch: Runner | DenseRunner
         if isinstance(self.store, DenseStore):
@@ -310,22 +320,30 @@ class EngineCore:
         else:
             overlap = on_cuda_by_default(config.decode_overlap, loaded.backend)
             compiled = None
-            # a model attending with its own code on gathered K/V stays eager (untried traced)
+            # a model attending with its own code on gathered K/V, or carrying recurrent state
+            # beside the store, stays eager (untried traced)
             geo = self.store.geometry
-            traceable = not geo.gather
+            traceable = not geo.gather and not geo.states
             if on_cuda_by_default(config.compile_decode, loaded.backend) and traceable:
                 compiled = CompiledDecode(self.model, self.store, loaded.geometry.num_heads,
                                           after=config.compile_after)
             speculator = None
-            if config.speculative.on:
+            states = None
+            if geo.states:
+                states = StateRows(geo.states, make_state_caches(self.model, geo.states))
+                if config.speculative.on:
+                    log.warning("speculative decoding cannot roll recurrent state back: off for %s",
+                                loaded.model_id)
+            elif config.speculative.on:
                 spec = config.speculative
                 draft = None if spec.draft_model is None else load_draft(
                     spec.draft_model, loaded, dtype=spec.draft_dtype)
                 speculator = Speculator(spec, loaded.backend, draft)
             self.batch = Runner(self.model, self.store, overlap=overlap,
-                                prefill_batch=config.prefill_batch, compiled=compiled,
+                                # prompts padded to one length would run their padding through state
+                                prefill_batch=1 if states else config.prefill_batch, compiled=compiled,
                                 slice_decode=config.slice_decode, speculator=speculator,
-                                plan_ahead=config.plan_ahead)
+                                plan_ahead=config.plan_ahead, states=states)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # in admission order; each step runs them in prefill_order
         self.step_budget = StepBudget(
@@ -600,6 +618,9 @@ class EngineCore:
             # copy every layer array of the segment instead of writing in place.
             self.batch.settle()
         alloc = self.store.reserve(seq.request_id, seq.final_len, shared, exact=exact)
+        states = self._states()
+        if states is not None and shared is not None:
+            states.resume(seq.request_id, shared.state)
         if seq.disk_blocks:
             self._read_back(seq)
         assert alloc.length == seq.processed
@@ -856,15 +877,17 @@ class EngineCore:
         its rings was kept (`KVStore.hold_prefix`): keep one at the checkpoints a chunk
         passes (`engine.prefix.checkpoints`), so that prompts sharing a long system prompt
         resume from near its end. Its full blocks are shared, not copied."""
-        if not isinstance(self.store, KVStore) or not self.store.geometry.windowed \
-                or self.prefix_cache.max_bytes == 0 or seq.scores_prompt:
+        if not isinstance(self.store, KVStore) or self.prefix_cache.max_bytes == 0 or seq.scores_prompt:
+            return
+        geo = self.store.geometry
+        if not geo.windowed and not geo.states:
             return
         prompt = seq.request.prompt_tokens
         for boundary in checkpoints_between(start, end, len(prompt), self.config.prefill_step_size):
-            if boundary <= seq.cached_tokens:
-                continue
+            if boundary <= seq.cached_tokens or (geo.states and boundary != end):
+                continue  # recurrent state is there to copy only at the end of the chunk
             # the room kept for the prompt's and the conversation's ends stays free
-            prefix = self.store.hold_prefix(seq.request_id, boundary, leave_free=self.store.snapshot_spare())
+            prefix = self._hold(seq, boundary, leave_free=self.store.snapshot_spare())
             if prefix is not None:
                 self.prefix_cache.insert(prompt[:boundary], prefix)
 
@@ -873,7 +896,7 @@ class EngineCore:
         prompt token is its input in the next decode step."""
         prompt = seq.request.prompt_tokens
         if seq.processed > seq.cached_tokens and seq.processed > 0:
-            prefix = self.store.hold_prefix(seq.request_id, seq.processed)
+            prefix = self._hold(seq, seq.processed)
             if prefix is not None:
                 self.prefix_cache.insert(prompt[: prefix.tokens], prefix)
         scores = (None, *seq.prompt_logprobs) if seq.scores_prompt else ()
@@ -957,23 +980,51 @@ class EngineCore:
                         if seq.drafted else None,
                     )
                 )
+        states = self._states()
+        rows = {id(s): i for i, s in enumerate(self.batch.seqs)} if states is not None else {}
+        ends = {id(s): states.row(rows[id(s)]) for s in finished if id(s) in rows} if states else {}
         self.batch.remove(finished)
         for seq in finished:
-            self._cache_conversation(seq)
+            self._cache_conversation(seq, ends.get(id(seq)))
             self._drop_kv(seq)
 
-    def _cache_conversation(self, seq: Sequence) -> None:
+    def _states(self) -> StateRows | None:
+        """A hybrid's recurrent state beside the paged store (`engine.kv.state`), or None."""
+        return getattr(self.batch, "states", None)
+
+    def _hold(self, seq: Sequence, tokens: int, *, leave_free: int = 0,
+              state: Snapshot | None = None) -> SharedPrefix | None:
+        """`KVStore.hold_prefix`, and on a hybrid the recurrent state at that point: the
+        request's own (`state` None: it has not joined the batch) where `tokens` is what it
+        has written, else nothing is held (a prefix without its state cannot be resumed)."""
+        if not isinstance(self.store, KVStore):
+            return self.store.hold_prefix(seq.request_id, tokens)  # a snapshot of mlx-lm's caches
+        prefix = self.store.hold_prefix(seq.request_id, tokens, leave_free=leave_free)
+        states = self._states()
+        if prefix is None or states is None:
+            return prefix
+        if prefix.tokens != self.store.get(seq.request_id).length:
+            self.store.drop_prefix(prefix)
+            return None
+        return dataclasses.replace(prefix, state=states.snapshot(seq.request_id) if state is None else state)
+
+    def _cache_conversation(self, seq: Sequence, state: Snapshot | None = None) -> None:
         """A finished request's prompt and answer stay in the prefix cache: the next turn of
         the conversation sends both back, and finds them."""
         if not seq.has_kv or seq.scores_prompt:
             return
         tokens = (*seq.request.prompt_tokens, *seq.outputs)
         written = self.store.get(seq.request_id).length
-        prefix = self.store.hold_prefix(seq.request_id, min(written, len(tokens)))
+        if self._states() is not None and state is None:
+            return  # a hybrid's row state was not taken: nothing to resume from
+        prefix = self._hold(seq, min(written, len(tokens)), state=state)
         if prefix is not None:
             self.prefix_cache.insert(tokens[: prefix.tokens], prefix)
 
     def _drop_kv(self, seq: Sequence) -> None:
+        states = self._states()
+        if states is not None:
+            states.drop(seq.request_id)
         if seq.has_kv:
             self.store.release(seq.request_id)
             seq.has_kv = False

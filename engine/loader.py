@@ -70,13 +70,29 @@ class LoadedModel:
             return self.layout
         return probe_cache_layout(self.model, weights_loaded=True)
 
-    def kv_geometry(self, windows: bool = True, gather: bool = True) -> KVGeometry | None:
+    def kv_geometry(self, windows: bool = True, gather: bool = True,
+                    states: bool = True) -> KVGeometry | None:
         """The paged KV store's shape, read from the model's caches: plain `KVCache`s of the
         config's heads and dims, with `windows` sliding-window `RotatingKVCache`s among them,
         and with `gather` plain `KVCache`s of one shape whatever their heads and widths (MLA),
-        or of the config's heads where the model computes its own scores (Gemma 2).
+        or of the config's heads where the model computes its own scores (Gemma 2), and with
+        `states` plain `KVCache`s among recurrent-state entries (hybrids, `engine.kv.state`).
         None for the rest (`engine.dense` serves those)."""
         layout = self.cache_layout()
+        hybrid = layout.paged_states if states else None
+        if hybrid is not None:
+            kv = next(c for c, state in zip(layout.layers, hybrid, strict=True) if not state)
+            state_bytes = sum(c.fixed_bytes for c in layout.layers if c.kind == "state")
+            if kv.key_dim == kv.value_dim and attends_through_shared_sdpa(self.model) \
+                    and (kv.kv_heads, kv.key_dim) == (self.geometry.num_kv_heads, self.geometry.head_dim):
+                return KVGeometry(hybrid.count(False), kv.kv_heads, kv.key_dim, layout.dtype, states=hybrid,
+                                  state_bytes=state_bytes)
+            # MLA attention layers (bailing, Kimi): their own scores over gathered K/V, through
+            # mlx-lm's shared SDPA (plamo2's own attention gave other tokens when batched)
+            if gather and attends_through_shared_sdpa(self.model):
+                return KVGeometry(hybrid.count(False), kv.kv_heads, kv.key_dim, layout.dtype,
+                                  value_dim=kv.value_dim, gather=True, states=hybrid, state_bytes=state_bytes)
+            return None
         paged_windows = layout.paged_windows if windows else None
         first = layout.layers[0] if layout.layers else None
         if first is not None and (layout.plain_kv or paged_windows is not None) \

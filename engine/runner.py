@@ -32,6 +32,7 @@ from engine.kv import KVStore, decode_caches, plan_decode, prefill_caches
 from engine.kv.cache import DecodeTables, PrefillCache
 from engine.kv.plan_ahead import plan_ahead
 from engine.kv.prefill import PrefillRow, batch_prefill_caches, group_by_segment, plan_prefill
+from engine.kv.state import StateRows
 from engine.kv.store import Allocation
 from engine.prompt_scoring import score_chunk
 from engine.request import TokenLogprob
@@ -135,9 +136,11 @@ class Runner(ReadsEarly):
     def __init__(
         self, model: Any, store: KVStore, *, overlap: bool = False, prefill_batch: int = 8,
         compiled: CompiledDecode | None = None, slice_decode: bool | None = None,
-        speculator: Speculator | None = None, plan_ahead: bool = True,
+        speculator: Speculator | None = None, plan_ahead: bool = True, states: StateRows | None = None,
     ) -> None:
         self.model = model
+        # A hybrid's recurrent state, beside the store's blocks (engine.kv.state); None: none.
+        self.states = states
         self.store = store
         self.overlap = overlap
         self.compiled = compiled  # replays decode steps whose shape holds still (None: all eager)
@@ -211,7 +214,7 @@ class Runner(ReadsEarly):
                     if more[r.alloc.request_id] >= len(r.tokens) and self._plan_pays(r):
                         ahead = caches
                         _records_first_full(caches)
-                    self.model(chunk, cache=caches)
+                    self.model(chunk, cache=self._with_states(caches, r.alloc.request_id))
                 else:
                     plan = plan_prefill(self.store, part)
                     self.model(plan.inputs, cache=batch_prefill_caches(plan, layers))
@@ -263,8 +266,8 @@ class Runner(ReadsEarly):
         """A chunk of a request that scores its prompt: the single-request call, whose
         logits at position j give the logprob of the prompt token after it."""
         start = row.alloc.length
-        logits = self.model(mx.array(row.tokens)[None],
-                            cache=prefill_caches(self.store, row.alloc, len(row.tokens)))
+        logits = self.model(mx.array(row.tokens)[None], cache=self._with_states(
+            prefill_caches(self.store, row.alloc, len(row.tokens)), seq.request_id))
         started = time.perf_counter()
         self.settle()
         following = seq.request.prompt_tokens[start + 1 : start + 1 + len(row.tokens)]
@@ -273,7 +276,16 @@ class Runner(ReadsEarly):
         self.prefill_wait_s += time.perf_counter() - started
 
     # ---- the batch -------------------------------------------------------------------
+    def _with_states(self, caches: list[PrefillCache], request_id: str) -> list[Any]:
+        """A prefill call's caches: the store's, and a hybrid's own state caches for the
+        request between them."""
+        if self.states is None:
+            return caches  # type: ignore[return-value]
+        return self.states.caches(caches, self.states.of(request_id))
+
     def join(self, seq: Sequence) -> None:
+        if self.states is not None:
+            self.states.join(seq.request_id)
         self.seqs.append(seq)
         self.fresh.append(seq.request.prompt_tokens[-1])
         self.sampler = BatchSampler([s.request.sampling for s in self.seqs])
@@ -304,7 +316,10 @@ class Runner(ReadsEarly):
             clean = sliced or (self.compiled.replays > replays and self.compiled.traces == traces)
             self._lone = (sliced, clean, started)
         if logits is None:
-            caches = decode_caches(plan, self.store.geometry.num_layers)
+            caches: list[Any] = decode_caches(plan, self.store.geometry.num_layers)
+            if self.states is not None:
+                assert self.states.batch is not None
+                caches = self.states.caches(caches, self.states.batch)
             logits = self.model(inputs[:, None], cache=caches)[:, -1, :]
         # each row's count of emitted tokens once its pending one is out (already, if read early)
         out = n_current if self.read is None else 0
@@ -455,6 +470,8 @@ class Runner(ReadsEarly):
         keep_pending = [i for i in keep if i < n_current]
         self.fresh = [self.fresh[i - n_current] for i in keep if i >= n_current]
         self.seqs = [self.seqs[i] for i in keep]
+        if self.states is not None:
+            self.states.keep(keep)
         if self.read is not None:
             self.read = [self.read[i] for i in keep_pending] if keep_pending else None
         if self.pending is not None:

@@ -95,6 +95,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--paged-windows", action=argparse.BooleanOptionalAction, default=None,
                        help="hold sliding-window layers (Gemma 3, gpt-oss...) in the paged KV store at "
                        "their window (default: on; off serves them through mlx-lm's own caches)")
+    serve.add_argument("--paged-states", action=argparse.BooleanOptionalAction, default=None,
+                       help="hold hybrids' attention layers (Qwen3-Next, Qwen3.5, LFM2, Nemotron-H) in "
+                       "the paged KV store, their recurrent state beside it (default: on; off serves "
+                       "them through mlx-lm's own caches)")
     serve.add_argument("--paged-gather", action=argparse.BooleanOptionalAction, default=None,
                        help="hold MLA models' caches (DeepSeek, Kimi, GLM-4.7-Flash) in the paged KV "
                        "store, their own attention on each row's gathered K/V (default: on; off serves "

@@ -34,6 +34,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         kv_group_size=settings.kv_group_size,
         paged_windows=settings.paged_windows,
         paged_gather=settings.paged_gather,
+        paged_states=settings.paged_states,
         speculative=SpeculativeConfig(settings.speculative, settings.num_speculative_tokens,
                                       settings.speculative_max_rows, draft_model=settings.draft_model,
                                       draft_dtype=settings.dtype),

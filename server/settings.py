@@ -126,6 +126,11 @@ class Settings(BaseSettings):
         "Kimi, GLM-4.7-Flash) in the paged KV store, the model's own attention run on each decode "
         "row's gathered K/V; false: serve them through mlx-lm's own caches, as an A/B",
     )
+    paged_states: bool = Field(
+        True, description="hold hybrids' attention layers (Qwen3-Next, Qwen3.5, LFM2, Nemotron-H…) in "
+        "the paged KV store, their recurrent state beside it (engine.kv.state); false: serve them "
+        "through mlx-lm's own caches, as an A/B",
+    )
     slice_decode: bool | None = Field(
         None, description="attend a lone decoding row on consecutive KV blocks as one slice of "
         "the pool, by MLX's fused SDPA, stepped eagerly (engine.kv.attention.run_decode; None: "

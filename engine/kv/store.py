@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -89,6 +90,12 @@ class KVGeometry:
     # length mask instead of attending itself (`engine.kv.cache.DecodeCache`).
     value_dim: int = 0
     gather: bool = False
+    # A hybrid with recurrent state (`engine.kv.state`): for each of the model's cache
+    # entries, whether it is a state entry (True) rather than one of the store's
+    # `num_layers` KV layers; () when every entry is a KV layer. `state_bytes`: one
+    # sequence's state, every state entry.
+    states: tuple[bool, ...] = ()
+    state_bytes: int = 0
 
     @cached_property
     def groups(self) -> tuple[PagedGroup, ...]:
@@ -165,6 +172,9 @@ class SharedPrefix:
     # None; positions from `window_from` on are in them.
     windows: tuple[tuple[int, ...] | None, ...] = ()
     window_from: int = 0
+    # A hybrid (`KVGeometry.states`): its recurrent state after exactly `tokens` tokens
+    # (`engine.kv.state.Snapshot`); a prefix without one cannot be resumed.
+    state: Any = None
 
 
 @dataclass(frozen=True)
@@ -275,8 +285,14 @@ class KVStore:
         return sum(self.group_blocks(tokens))
 
     def reservation_bytes(self, tokens: int) -> int:
-        """What a request of `tokens` (prompt + max_tokens) reserves: whole blocks."""
-        return self.request_blocks(tokens) * self.block_bytes
+        """What a request of `tokens` (prompt + max_tokens) reserves: whole blocks, and a
+        hybrid's recurrent state (`engine.kv.state`), a fixed size."""
+        return self.request_blocks(tokens) * self.block_bytes + self.geometry.state_bytes
+
+    @property
+    def batches_prefill(self) -> bool:
+        """Several prompts' chunks share a prefill call, unless the model carries state."""
+        return not self.geometry.states
 
     def rows_reservation_bytes(self, final_lens: Iterable[int]) -> int:
         """What requests of these final lengths reserve together: each its own blocks."""
@@ -286,13 +302,14 @@ class KVStore:
         """Bytes the device must newly give for `reserve(tokens, shared, exact=exact)`:
         zero when a segment has the free blocks, else a new segment."""
         need = self.request_blocks(tokens)
+        state = self.geometry.state_bytes  # always a new allocation of its own
         if shared is not None:
             seg = self.segments.get(shared.segment_id)
             if seg is not None and seg.blocks.free >= need - shared.tokens // self.block_size:
-                return 0
+                return state
         if self._segment_with(need) is not None:
-            return 0
-        return self._new_segment_blocks(need, exact) * self.block_bytes
+            return state
+        return self._new_segment_blocks(need, exact) * self.block_bytes + state
 
     # ---- requests --------------------------------------------------------------------
     def reserve(
@@ -466,7 +483,7 @@ class KVStore:
             seg = self.segments[seg_id]
             prefix_only = seg.blocks.used - len(blocks)
             total += seg.nbytes - prefix_only * self.block_bytes
-        return total
+        return total + len(self.requests) * self.geometry.state_bytes
 
     def freeable_bytes(self, prefixes: list[SharedPrefix]) -> int:
         """Device memory that dropping these prefix holds would return: the segments

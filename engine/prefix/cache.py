@@ -28,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.kv.store import SharedPrefix
 from engine.prefix.keys import ROOT, ChainKey, chain_digest
@@ -93,6 +93,9 @@ class _Node:
     # snapshot of the rings, `KVStore.hold_prefix`), valid from position `window_from` on.
     windows: tuple[int, ...] | None = None
     window_from: int = 0
+    # A hybrid (`KVGeometry.states`): its recurrent state after this node's last token
+    # (`engine.kv.state`); a hit may end only at a node that has one.
+    state: Any = None
 
     def chain(self) -> list[_Node]:
         """Root first."""
@@ -173,6 +176,10 @@ class _Children:
         at = bisect.bisect_left(self._sorted, piece)
         return at < len(self._sorted) and self._sorted[at][: len(piece)] == piece
 
+    def exact(self, piece: tuple[int, ...]) -> _Node | None:
+        """The child whose block is exactly `piece`."""
+        return self._by_tokens.get(piece)
+
     def prefixes_of(self, piece: tuple[int, ...]) -> list[_Node]:
         """The children whose blocks are shorter than `piece` and begin it."""
         return [n for size in range(1, len(piece)) if (n := self._by_tokens.get(piece[:size])) is not None]
@@ -209,11 +216,16 @@ class PrefixCache:
         geometry = getattr(store, "geometry", None)
         self.window_span: int | None = store.window_span() if getattr(geometry, "windowed", False) else None
         self._window_blocks = 0
+        # A hybrid's nodes carry recurrent state: a hit ends where one does (`_state_end`).
+        self.states = bool(getattr(geometry, "states", ()))
+        self.state_bytes = getattr(geometry, "state_bytes", 0) if self.states else 0
+        self._states = 0  # nodes holding a state
 
     # ---- sizes -----------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        return (len(self._lru) + self._window_blocks) * self.store.block_bytes
+        blocks = len(self._lru) + self._window_blocks
+        return blocks * self.store.block_bytes + self._states * self.state_bytes
 
     @property
     def evictions(self) -> int:
@@ -274,6 +286,8 @@ class PrefixCache:
         if not chain and not disk:
             return None
         total = matched + best_n + len(disk) * bs
+        if self.states:
+            return self._state_hit(chain[: len(chain) - (best is not None)], children, rest)
         if self.window_span is not None:
             total = self._window_end(chain, total)
             if total <= 0:
@@ -287,6 +301,28 @@ class PrefixCache:
         prefix = SharedPrefix(chain[0].segment_id, tuple(n.block for n in chain), matched + best_n) \
             if chain else None
         return PrefixHit(chain[-1].key if chain else ROOT, total, prefix, disk)
+
+    def _state_hit(self, chain: list[_Node], children: _Children, rest: tuple[int, ...]) -> PrefixHit | None:
+        """On a hybrid, the furthest node of the walk whose recurrent state is cached: a
+        partial block after `chain` that `rest` begins with (the end of an earlier prompt),
+        else the deepest full block that has one."""
+        end: _Node | None = None
+        for k in range(len(rest), 0, -1):
+            node = children.exact(rest[:k])
+            if node is not None and node.state is not None and (
+                    not chain or node.segment_id == chain[0].segment_id):
+                end = node
+                break
+        if end is not None:
+            chain = [*chain, end]
+        else:
+            while chain and chain[-1].state is None:
+                chain = chain[:-1]
+        if not chain:
+            return None
+        last = chain[-1]
+        prefix = SharedPrefix(chain[0].segment_id, tuple(n.block for n in chain), last.end, state=last.state)
+        return PrefixHit(last.key, last.end, prefix)
 
     def _window_end(self, chain: list[_Node], total: int) -> int:
         """The furthest end, at most `total`, at which a request can resume on a model with
@@ -349,20 +385,24 @@ class PrefixCache:
             if node is not None and node.segment_id != seg and i < len(prefix.blocks) - 1:
                 # The chain goes on in the request's segment: move the node there, so that a
                 # hit on the whole chain lends blocks of one segment.
+                state = node.state  # not in a segment: it stays with the node
                 self._release(node)  # its snapshot too: one lives in its node's segment
                 node.segment_id, node.block = seg, block
                 self._hold(node)
+                if state is not None:
+                    node.state, self._states = state, self._states + 1
                 self._adopt_windows(node, snapshot, prefix.window_from, surplus)
             elif node is not None:
                 surplus.append(block)
                 self._adopt_windows(node, snapshot, prefix.window_from, surplus)
-            elif len(piece) < bs and children.starting_with(piece):
+            elif len(piece) < bs and children.starting_with(piece) and prefix.state is None:
                 surplus.append(block)  # a cached block already holds these tokens
                 surplus.extend(b for w in windows[i:] if w for b in w)
                 break
             else:
-                for sibling in [c for c in children.prefixes_of(piece) if not len(c.children)]:
-                    self._remove(sibling)  # a partial block this one extends
+                for sibling in [c for c in children.prefixes_of(piece)
+                                if not len(c.children) and c.state is None]:
+                    self._remove(sibling)  # a partial block this one extends (a state stays)
                 node = _Node(key, parent, piece, seg, block, i * bs + len(piece))
                 children.add(node)
                 self._hold(node)
@@ -371,6 +411,10 @@ class PrefixCache:
             parent, children = node, node.children
         if surplus:
             self.store.drop_prefix(SharedPrefix(seg, tuple(surplus), 0))
+        if parent is not None and prefix.state is not None and parent.end == prefix.tokens:
+            if parent.state is None:
+                self._states += 1
+            parent.state = prefix.state  # the newer snapshot of the same tokens' state
         if parent is not None:
             for node in added:
                 self._lru[node.key] = node
@@ -568,6 +612,9 @@ class PrefixCache:
 
     def _release(self, node: _Node) -> None:
         self._release_windows(node)
+        if node.state is not None:
+            node.state = None
+            self._states -= 1
         self._count(node.segment_id, (node.block,), -1)
         self.store.drop_prefix(SharedPrefix(node.segment_id, (node.block,), 0))
 

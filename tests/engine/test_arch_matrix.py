@@ -50,6 +50,14 @@ PAGED_GATHER = {
     "deepseek_v2", "deepseek_v3", "gemma2", "glm4_moe_lite", "kimi_k25", "kimi_vl", "mistral4", "plamo",
 }
 
+# Hybrids: attention layers in the paged store (MLA ones through the gather path), their
+# recurrent state beside it (engine.kv.state).
+PAGED_STATES = {
+    "bailing_hybrid", "bailing_moe_linear", "bailing_moe_v3", "granitemoehybrid", "jamba", "kimi_k3",
+    "kimi_linear", "lfm2", "lfm2-vl", "lfm2_moe", "nemotron_h", "olmo_hybrid", "prism_hadamard_qwen35",
+    "qwen3_5", "qwen3_5_moe", "qwen3_next",
+}
+
 # Types whose mlx-lm forward fails on its own (nothing to compare against): the test checks
 # that generate_step still fails, so that a fixed mlx-lm puts the type back in the matrix.
 MLX_LM_FAILS: dict[str, str] = {
@@ -110,7 +118,10 @@ def test_greedy_output_equals_mlx_lm(model_type: str, make_engine: Callable[...,
     h = make_engine(loaded=loaded, prefill_step_size=STEP, prefix_cache_bytes=1 << 24)
     geometry = getattr(h.core.store, "geometry", None)
     assert bool(getattr(geometry, "windowed", False)) == (model_type in PAGED_WINDOWS), "docs/cache-kinds.md"
-    assert bool(getattr(geometry, "gather", False)) == (model_type in PAGED_GATHER), "docs/cache-kinds.md"
+    assert bool(getattr(geometry, "states", ())) == (model_type in PAGED_STATES), "docs/cache-kinds.md"
+    hybrid_mla = {"bailing_hybrid", "bailing_moe_v3", "kimi_k3", "kimi_linear"}
+    assert bool(getattr(geometry, "gather", False)) == (model_type in PAGED_GATHER | hybrid_mla), \
+        "docs/cache-kinds.md"
 
     def run(batch: list[EngineRequest]) -> list[list[int]]:
         for r in batch:

@@ -54,7 +54,7 @@ def test_a_shared_long_prefix_resumes_from_a_checkpoint_alone_and_batched(
     name: str, make_engine: Callable[..., Harness]
 ) -> None:
     loaded = tiny_archs.loaded(name)
-    h = make_engine(loaded=loaded, paged_windows=False, prefill_step_size=STEP)
+    h = make_engine(loaded=loaded, paged_states=False, paged_windows=False, prefill_step_size=STEP)
     assert isinstance(h.core.store, DenseStore) and isinstance(h.core.prefix_cache, DensePrefixCache)
     first = _tokens(1, 300)
     assert _run(h, [EngineRequest("first", first, 6, GREEDY)]) == len(first) - 1
@@ -102,7 +102,7 @@ def test_an_agent_conversation_resumes_from_the_whole_previous_turn(
     """Each turn sends the previous prompt, the model's answer and new text: the snapshot
     taken when the previous turn ended holds all of it, so only the new text is prefilled."""
     loaded = tiny_archs.loaded(name)
-    h = make_engine(loaded=loaded, paged_windows=False, prefill_step_size=STEP)
+    h = make_engine(loaded=loaded, paged_states=False, paged_windows=False, prefill_step_size=STEP)
     tokens = _tokens(10, 90)
     previous = 0
     for turn in range(4):
@@ -132,7 +132,7 @@ def test_a_long_prompts_snapshots_hold_a_few_times_its_kv_not_its_square(
     end and its end with the answer; a prompt parting from it inside boundary 10 resumes
     from boundary 8, token-identical to mlx-lm."""
     loaded = tiny_archs.loaded("gemma3_text")
-    h = make_engine(loaded=loaded, paged_windows=False, prefill_step_size=STEP)
+    h = make_engine(loaded=loaded, paged_states=False, paged_windows=False, prefill_step_size=STEP)
     first = _tokens(5, 12 * STEP + 10)
     _run(h, [EngineRequest("first", first, 4, GREEDY)])
     cache = h.core.prefix_cache
@@ -148,7 +148,7 @@ def test_a_long_prompts_snapshots_hold_a_few_times_its_kv_not_its_square(
 
 def test_no_snapshot_is_kept_when_the_prefix_cache_is_off(make_engine: Callable[..., Harness]) -> None:
     loaded = tiny_archs.loaded("qwen3_next")
-    h = make_engine(loaded=loaded, prefill_step_size=STEP, prefix_cache_bytes=0)
+    h = make_engine(loaded=loaded, paged_states=False, prefill_step_size=STEP, prefix_cache_bytes=0)
     prompt = _tokens(1, 200)
     _run(h, [EngineRequest("a", prompt, 4, GREEDY)])
     assert _run(h, [EngineRequest("b", prompt, 4, GREEDY)]) == len(prompt) - 1
@@ -166,7 +166,7 @@ def test_admission_evicts_snapshots_before_a_request_waits(make_engine: Callable
     gc.collect()
     mx.clear_cache()
     guard = _guard(1 << 40)
-    h = make_engine(guard, loaded=loaded, prefill_step_size=STEP, wait_timeout_s=60)
+    h = make_engine(guard, loaded=loaded, paged_states=False, prefill_step_size=STEP, wait_timeout_s=60)
     _run(h, [EngineRequest("probe", _tokens(999, 100), 4, GREEDY)])
     h.core.prefix_cache.clear()
     gc.collect()
