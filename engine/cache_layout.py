@@ -41,7 +41,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from engine.kv.attention import layer_modules
+from engine.kv.attention import attends_through_shared_sdpa, layer_modules
 from memory import ModelGeometry, geometry_from_model
 from memory.estimate import KVGroup, KVLayout, cache_slots
 
@@ -562,6 +562,8 @@ def geometry_for(model: Any, layout: CacheLayout, dtype_bytes: int | None = None
         geometry = replace(geometry, kv_layout=layout.kv_layout(dtype_bytes))
     if layout.paged_windows is not None:
         geometry = replace(geometry, kv_windows=layout.paged_windows)
+    if layout.paged_states is not None and attends_through_shared_sdpa(model):
+        geometry = replace(geometry, kv_states=layout.paged_states)
     if geometry.kv_bits is not None or measured == geometry.kv_bytes_per_token:
         return geometry
     return replace(geometry, measured_kv_bytes_per_token=measured)

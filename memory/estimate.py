@@ -176,6 +176,9 @@ class ModelGeometry:
     # model in layer groups (``memory.paged``); None where it does not (then ``kv_layout``
     # says how mlx-lm's own caches hold it).
     kv_windows: tuple[int | None, ...] | None = None
+    # A hybrid whose attention layers the paged store holds, their recurrent state beside
+    # them (``engine.kv.state``): per cache entry, True for a state entry. None: it does not.
+    kv_states: tuple[bool, ...] | None = None
     # A weight a prefill call materialises beside its activations, one at a time (quantized
     # projections that the engine dequantizes for many rows); 0: none.
     prefill_weight_bytes: int = 0

@@ -34,7 +34,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .estimate import ModelGeometry, estimate_prefill
+from .estimate import FULL, ModelGeometry, estimate_prefill
 from .paged import PagedLayout, paged_layout
 from .tracker import DEFAULT_MARGIN
 
@@ -53,6 +53,7 @@ class EngineParams:
     kv_segment_tokens: int = 2048  # a new segment's default size, in tokens
     fuse_projections: bool = True  # the loader fuses q/k/v and gate/up (memory.weights.FUSED_GROUPS)
     paged_windows: bool = True  # window layers in the paged store (EngineConfig.paged_windows)
+    paged_states: bool = True  # hybrids' attention layers in the paged store (EngineConfig.paged_states)
     ring_tokens: int | None = None  # the rings' chunk (engine.core.ring_chunk_tokens); None: chunk_tokens
 
 
@@ -61,6 +62,15 @@ def paged_groups(geometry: ModelGeometry, params: EngineParams) -> PagedLayout |
     if geometry.kv_windows is None or not params.paged_windows:
         return None
     return paged_layout(geometry.kv_windows, geometry.kv_bytes_per_token // len(geometry.kv_windows))
+
+
+def paged_states(geometry: ModelGeometry, params: EngineParams) -> tuple[int, int] | None:
+    """A hybrid the paged store holds: (its attention layers' bytes per token, one
+    sequence's recurrent state), or None."""
+    layout = geometry.kv_layout
+    if geometry.kv_states is None or layout is None or not params.paged_states:
+        return None
+    return sum(g.bytes_per_token for g in layout.groups if g.kind == FULL), layout.fixed_bytes
 
 
 def _ring_chunk(params: EngineParams) -> int:
@@ -80,6 +90,10 @@ def reservation_bytes(
     if groups is not None:
         block = params.kv_block_tokens
         return sum(groups.bytes_for(max(n, 1), block, _ring_chunk(params)) for n in final_lens)
+    hybrid = paged_states(geometry, params)
+    if hybrid is not None:  # blocks for the attention layers, and a state each
+        block = params.kv_block_tokens
+        return sum(-(-max(n, 1) // block) * block * hybrid[0] + hybrid[1] for n in final_lens)
     if geometry.kv_layout is not None:
         return sum(geometry.kv_layout.bytes_for(max(n, 1), params.chunk_tokens) for n in final_lens)
     block = params.kv_block_tokens
@@ -97,6 +111,12 @@ def segment_bytes(
         need = groups.segment_blocks(groups.blocks_for(max(final_len, 1), block, _ring_chunk(params)), block)
         blocks = need if exact else max(need, max(1, params.kv_segment_tokens // block))
         return blocks * block * groups.slots * groups.layer_bytes_per_token
+    hybrid = paged_states(geometry, params)
+    if hybrid is not None:  # the segment, and the request's state beside it
+        block = params.kv_block_tokens
+        need = -(-max(final_len, 1) // block)
+        blocks = need if exact else max(need, max(1, params.kv_segment_tokens // block))
+        return blocks * block * hybrid[0] + hybrid[1]
     if geometry.kv_layout is not None:
         return reservation_bytes(geometry, [final_len], params)
     block = params.kv_block_tokens

@@ -75,6 +75,7 @@ def engine_params(
         kv_segment_tokens=segment,
         fuse_projections=settings.fuse_projections,
         paged_windows=settings.paged_windows,
+        paged_states=settings.paged_states,
         ring_tokens=ring_chunk_tokens(config),
     )
 

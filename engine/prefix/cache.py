@@ -450,7 +450,17 @@ class PrefixCache:
         that only the cache holds. Blocks freed inside a live segment only make room there
         (`room_in_segment`, `evict_in_segment`)."""
         pinned = self._pinned_segments(protect)
-        return sum(n for sid, n in self._cache_only_segments() if sid not in pinned)
+        whole = {sid: n for sid, n in self._cache_only_segments() if sid not in pinned}
+        return sum(whole.values()) + self.state_bytes * len(self._loose_states(protect, set(whole)))
+
+    def _loose_states(self, protect: frozenset[ChainKey], going: set[int]) -> list[_Node]:
+        """A hybrid's unprotected nodes holding a state in segments that do not go whole
+        (their state is an allocation of its own), in eviction order (a chain's leaves first)."""
+        if not self.states:
+            return []
+        pinned = self._pinned_keys(protect)
+        return [n for n in self._lru.values()
+                if n.state is not None and n.key not in pinned and n.segment_id not in going]
 
     def evict(self, nbytes: int, protect: frozenset[ChainKey] = frozenset(), *,
               cause: str = "admission") -> int:
@@ -476,6 +486,11 @@ class PrefixCache:
                 if node.key in self._lru:
                     self._evict_subtree(node, cause)
             freed += before - self.store.pool_bytes()
+        for node in self._loose_states(protect, set()) if freed < nbytes else []:
+            if freed >= nbytes:
+                break
+            self._release_state(node)  # its blocks stay, found again only up to an earlier state
+            freed += self.state_bytes
         return freed
 
     def room_in_segment(self, blocks: int, protect: frozenset[ChainKey] = frozenset(),
@@ -607,14 +622,17 @@ class PrefixCache:
         self._lru.pop(node.key, None)
         self._release(node)
 
+    def _release_state(self, node: _Node) -> None:
+        if node.state is not None:
+            node.state = None
+            self._states -= 1
+
     def _hold(self, node: _Node) -> None:
         self._count(node.segment_id, (node.block,), 1)
 
     def _release(self, node: _Node) -> None:
         self._release_windows(node)
-        if node.state is not None:
-            node.state = None
-            self._states -= 1
+        self._release_state(node)
         self._count(node.segment_id, (node.block,), -1)
         self.store.drop_prefix(SharedPrefix(node.segment_id, (node.block,), 0))
 

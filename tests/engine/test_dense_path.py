@@ -63,14 +63,14 @@ def test_greedy_output_equals_mlx_lm_alone_and_batched(
         for i, (p, (_, n)) in enumerate(zip(prompts, SHAPES, strict=True))
     ]
 
-    alone = make_engine(loaded=loaded, paged_windows=False, paged_gather=False, prefill_step_size=STEP,
-                        prefix_cache_bytes=0)
+    alone = make_engine(loaded=loaded, paged_windows=False, paged_gather=False, paged_states=False,
+                        prefill_step_size=STEP, prefix_cache_bytes=0)
     assert isinstance(alone.core.store, DenseStore)
     _run(alone, requests[:1])
     assert alone.out.tokens["r0"] == expected[0]
 
-    together = make_engine(loaded=loaded, paged_windows=False, paged_gather=False, prefill_step_size=STEP,
-                           prefix_cache_bytes=0)
+    together = make_engine(loaded=loaded, paged_windows=False, paged_gather=False, paged_states=False,
+                           prefill_step_size=STEP, prefix_cache_bytes=0)
     _run(together, requests)
     assert [together.out.tokens[r.request_id] for r in requests] == expected
     assert together.core.batch.max_batch_seen >= 3

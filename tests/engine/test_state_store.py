@@ -126,3 +126,23 @@ def test_speculative_decoding_is_off_for_a_hybrid(make_engine: Callable[..., Har
     h = make_engine(loaded=tiny_archs.loaded("qwen3_next"),
                     speculative=SpeculativeConfig("prompt-lookup", 4, 8))
     assert h.core.batch.speculator is None
+
+
+def test_kept_states_in_a_live_segment_are_evictable_on_their_own(
+        make_engine: Callable[..., Harness]) -> None:
+    """A snapshot's state is an allocation of its own: admission can have it back while the
+    segment its blocks live in holds a request, in the cache's order (a chain's leaves first)."""
+    h = make_engine(loaded=tiny_archs.loaded("qwen3_next"), prefill_step_size=STEP)
+    store, cache = h.core.store, h.core.prefix_cache
+    assert isinstance(store, KVStore)
+    state = store.geometry.state_bytes
+    _run(h, [EngineRequest("a", _tokens(1, 200), 8, GREEDY)])
+    h.submit(EngineRequest("b", _tokens(2, 50), 200, GREEDY))  # keeps the segment live
+    h.run_until(lambda: len(h.core.batch.seqs) == 1)
+    assert len(store.segments) == 1 and cache._states == 6  # a's five, b's prompt end
+    protect = frozenset(n.key for n in cache._lru.values() if n.state is not None)
+    protect = frozenset(k for k in protect if cache._lru[k].end == 49)  # b's own
+    assert cache.evictable_bytes(protect) == 5 * state
+    assert cache.evict(2 * state, protect) == 2 * state and cache._states == 4
+    kept = sorted(n.end for n in cache._lru.values() if n.state is not None)
+    assert kept == [49, 64, 128, 192]  # a's deepest went first, as the cache's leaves do
