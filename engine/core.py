@@ -148,6 +148,7 @@ class EngineStats:
     kv_bits: int | None = None  # quantized KV's bits; None: the model's dtype
     kv_group_size: int | None = None  # values per scale and bias of quantized KV
     kv_layer_groups: tuple[dict[str, int | None], ...] = ()  # the paged store's (memory.paged)
+    kv_state_bytes: int = 0  # a hybrid's recurrent state per sequence (engine.kv.state)
     prefix_cache: PrefixCacheStats | None = None
     prefix_budget_bytes: int = 0  # what the prefix cache may hold now, under the ceiling
     steps: int = 0
@@ -1147,6 +1148,7 @@ class EngineCore:
             kv_bits=self.config.kv_bits,
             kv_group_size=None if self.config.kv_bits is None else self.config.kv_group_size,
             kv_layer_groups=kv.groups,
+            kv_state_bytes=kv.state_bytes,
             prefix_cache=self.prefix_cache.stats(),
             prefix_budget_bytes=max(self._prefix_budget, self.prefix_cache.nbytes),
             steps=c["steps"],

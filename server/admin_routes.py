@@ -147,6 +147,8 @@ async def memory_view(request: Request) -> dict[str, Any]:
             "group_size": stats.kv_group_size,
             # the paged store's layer groups: window layers hold a ring of blocks each
             "layer_groups": list(stats.kv_layer_groups),
+            # a hybrid's recurrent state per sequence, held beside its blocks (counted in reserved_bytes)
+            "state_bytes": stats.kv_state_bytes,
         },
         "prefix_cache": {
             "bytes": prefix.bytes if prefix else 0,

@@ -189,6 +189,7 @@ class KVStoreStats:
     requests: int
     # the layer groups (memory.paged): layers, window (None: full) and the blocks of a ring
     groups: tuple[dict[str, int | None], ...] = ()
+    state_bytes: int = 0  # a hybrid's recurrent state per sequence (`engine.kv.state`), beside its blocks
 
 
 class Segment:
@@ -466,7 +467,9 @@ class KVStore:
 
     # ---- accounting ------------------------------------------------------------------
     def reserved_bytes(self) -> int:
-        return sum(len(a.owned()) for a in self.requests.values()) * self.block_bytes
+        """Blocks the requests own, and a hybrid's state for each."""
+        blocks = sum(len(a.owned()) for a in self.requests.values())
+        return blocks * self.block_bytes + len(self.requests) * self.geometry.state_bytes
 
     def pool_bytes(self) -> int:
         return sum(s.nbytes for s in self.segments.values())
@@ -565,6 +568,7 @@ class KVStore:
             segments=len(self.segments),
             requests=len(self.requests),
             groups=self._group_report,
+            state_bytes=self.geometry.state_bytes,
         )
 
     @cached_property

@@ -116,6 +116,8 @@ def test_admission_counts_each_sequences_state_and_each_kept_snapshot(
     cache_only = seg.blocks.used - len(store.get("a").owned())
     assert store.request_bytes() == seg.nbytes - cache_only * store.block_bytes + state
     assert store.growth_bytes(100) == state  # the segment has the blocks: only a state is new
+    assert store.reserved_bytes() == len(store.get("a").owned()) * store.block_bytes + state
+    assert h.core.stats.kv_state_bytes == state  # /v1/memory's kv.state_bytes
     h.run_until(lambda: "a" in h.out.finished)
     # checkpoints at 64, 128 and 192, the prompt's end and the conversation's end: five states
     assert cache._states == 5 and cache.nbytes == len(cache) * store.block_bytes + 5 * state
