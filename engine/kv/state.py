@@ -27,10 +27,12 @@ eagerly.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache
+
+if TYPE_CHECKING:  # mlx-lm is imported where a model is loaded, not with the server
+    from mlx_lm.models.cache import ArraysCache
 
 Snapshot = tuple[tuple[mx.array | None, ...], ...]  # per state entry, its arrays for one row
 
