@@ -344,7 +344,9 @@ class EngineCore:
                                 # prompts padded to one length would run their padding through state
                                 prefill_batch=1 if states else config.prefill_batch, compiled=compiled,
                                 slice_decode=config.slice_decode, speculator=speculator,
-                                plan_ahead=config.plan_ahead, states=states)
+                                plan_ahead=config.plan_ahead, states=states,
+                                checkpoint_every=config.prefill_step_size
+                                if states and config.prefix_cache_bytes != 0 else 0)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # in admission order; each step runs them in prefill_order
         self.step_budget = StepBudget(
@@ -884,11 +886,14 @@ class EngineCore:
         if not geo.windowed and not geo.states:
             return
         prompt = seq.request.prompt_tokens
+        # a hybrid's state where its calls ended on boundaries inside the chunk (`Runner.kept`)
+        kept = dict(self.batch.kept.pop(seq.request_id, ())) if geo.states else {}
         for boundary in checkpoints_between(start, end, len(prompt), self.config.prefill_step_size):
-            if boundary <= seq.cached_tokens or (geo.states and boundary != end):
-                continue  # recurrent state is there to copy only at the end of the chunk
+            if boundary <= seq.cached_tokens or (geo.states and boundary != end and boundary not in kept):
+                continue
             # the room kept for the prompt's and the conversation's ends stays free
-            prefix = self._hold(seq, boundary, leave_free=self.store.snapshot_spare())
+            prefix = self._hold(seq, boundary, leave_free=self.store.snapshot_spare(),
+                                state=kept.get(boundary))
             if prefix is not None:
                 self.prefix_cache.insert(prompt[:boundary], prefix)
 
@@ -995,16 +1000,18 @@ class EngineCore:
 
     def _hold(self, seq: Sequence, tokens: int, *, leave_free: int = 0,
               state: Snapshot | None = None) -> SharedPrefix | None:
-        """`KVStore.hold_prefix`, and on a hybrid the recurrent state at that point: the
-        request's own (`state` None: it has not joined the batch) where `tokens` is what it
-        has written, else nothing is held (a prefix without its state cannot be resumed)."""
+        """`KVStore.hold_prefix`, and on a hybrid the recurrent state after `tokens`:
+        `state`, taken there, or (None) the request's own, where `tokens` is what it has
+        written. Nothing is held where the state is not there (a prefix without its state
+        cannot be resumed)."""
         if not isinstance(self.store, KVStore):
             return self.store.hold_prefix(seq.request_id, tokens)  # a snapshot of mlx-lm's caches
         prefix = self.store.hold_prefix(seq.request_id, tokens, leave_free=leave_free)
         states = self._states()
         if prefix is None or states is None:
             return prefix
-        if prefix.tokens != self.store.get(seq.request_id).length:
+        at = self.store.get(seq.request_id).length if state is None else tokens
+        if prefix.tokens != at:
             self.store.drop_prefix(prefix)
             return None
         return dataclasses.replace(prefix, state=states.snapshot(seq.request_id) if state is None else state)
@@ -1016,8 +1023,8 @@ class EngineCore:
             return
         tokens = (*seq.request.prompt_tokens, *seq.outputs)
         written = self.store.get(seq.request_id).length
-        if self._states() is not None and state is None:
-            return  # a hybrid's row state was not taken: nothing to resume from
+        if self._states() is not None and (state is None or written > len(tokens)):
+            return  # a hybrid's state is after `written` tokens, and only those are known
         prefix = self._hold(seq, min(written, len(tokens)), state=state)
         if prefix is not None:
             self.prefix_cache.insert(tokens[: prefix.tokens], prefix)
@@ -1026,6 +1033,7 @@ class EngineCore:
         states = self._states()
         if states is not None:
             states.drop(seq.request_id)
+            self.batch.kept.pop(seq.request_id, None)  # type: ignore[union-attr]
         if seq.has_kv:
             self.store.release(seq.request_id)
             seq.has_kv = False

@@ -32,8 +32,9 @@ from engine.kv import KVStore, decode_caches, plan_decode, prefill_caches
 from engine.kv.cache import DecodeTables, PrefillCache
 from engine.kv.plan_ahead import plan_ahead
 from engine.kv.prefill import PrefillRow, batch_prefill_caches, group_by_segment, plan_prefill
-from engine.kv.state import StateRows
+from engine.kv.state import Snapshot, StateRows
 from engine.kv.store import Allocation
+from engine.prefix.checkpoints import checkpoints_between
 from engine.prompt_scoring import score_chunk
 from engine.request import TokenLogprob
 from engine.sampling import BatchSampler, SampledStep
@@ -137,10 +138,15 @@ class Runner(ReadsEarly):
         self, model: Any, store: KVStore, *, overlap: bool = False, prefill_batch: int = 8,
         compiled: CompiledDecode | None = None, slice_decode: bool | None = None,
         speculator: Speculator | None = None, plan_ahead: bool = True, states: StateRows | None = None,
+        checkpoint_every: int = 0,
     ) -> None:
         self.model = model
         # A hybrid's recurrent state, beside the store's blocks (engine.kv.state); None: none.
+        # Its prompts' calls end on the prefix cache's checkpoint boundaries (every this many
+        # tokens; 0: none), where the state is kept (`kept`: request -> [(tokens, state)]).
         self.states = states
+        self.checkpoint_every = checkpoint_every
+        self.kept: dict[str, list[tuple[int, Snapshot]]] = {}
         self.store = store
         self.overlap = overlap
         self.compiled = compiled  # replays decode steps whose shape holds still (None: all eager)
@@ -203,6 +209,13 @@ class Runner(ReadsEarly):
                 calls += 1
             else:
                 rows.append(row)
+        advanced: set[str] = set()
+        if self.states is not None:  # one prompt per call, each its own rows' state
+            for r in rows:
+                calls += self._prefill_with_state(r, len(r.tokens) + more[r.alloc.request_id]
+                                                  + r.alloc.length)
+                advanced.add(r.alloc.request_id)
+            rows = []
         layers = self.store.geometry.num_layers
         for group in group_by_segment(rows) if self.prefill_batch > 1 else [[r] for r in rows]:
             for part in _batches(group, self.prefill_batch):
@@ -226,8 +239,36 @@ class Runner(ReadsEarly):
                 self._run_call(part, ahead)
                 self.prefill_wait_s += time.perf_counter() - started
         for seq, tokens in chunks:
-            self.store.advance(seq.request_id, tokens)
+            if seq.request_id not in advanced:
+                self.store.advance(seq.request_id, tokens)
         return calls
+
+    def _prefill_with_state(self, row: PrefillRow, prompt_len: int) -> int:
+        """A hybrid's chunk: one call per stretch between the prefix cache's checkpoint
+        boundaries it crosses (`engine.prefix.checkpoints`), since recurrent state can be
+        kept only where a call ends; each boundary's state goes to `kept`. The state is
+        evaluated with the blocks, so that no call's activations stay referenced by it.
+        Returns the calls made."""
+        assert self.states is not None
+        rid, alloc = row.alloc.request_id, row.alloc
+        start = alloc.length
+        end = start + len(row.tokens)
+        stops = [b for b in checkpoints_between(start, end, prompt_len, self.checkpoint_every) if b < end]
+        at = start
+        for stop in [*stops, end]:
+            piece = row.tokens[at - start : stop - start]
+            caches = prefill_caches(self.store, alloc, len(piece))
+            self.model(mx.array(piece)[None], cache=self._with_states(caches, rid))
+            started = time.perf_counter()
+            self.settle()
+            mx.eval(alloc.segment.arrays(), self.states.arrays(rid))
+            self.last_chunk_s = time.perf_counter() - started
+            self.prefill_wait_s += self.last_chunk_s
+            self.store.advance(rid, len(piece))
+            if stop < end:
+                self.kept.setdefault(rid, []).append((stop, self.states.snapshot(rid)))
+            at = stop
+        return len(stops) + 1
 
     def _run_call(self, part: list[PrefillRow], ahead: list[PrefillCache]) -> None:
         """Evaluate a prefill call. A lone request's call is timed on the device
@@ -268,11 +309,12 @@ class Runner(ReadsEarly):
         start = row.alloc.length
         logits = self.model(mx.array(row.tokens)[None], cache=self._with_states(
             prefill_caches(self.store, row.alloc, len(row.tokens)), seq.request_id))
+        states = [] if self.states is None else self.states.arrays(seq.request_id)
         started = time.perf_counter()
         self.settle()
         following = seq.request.prompt_tokens[start + 1 : start + 1 + len(row.tokens)]
         seq.prompt_logprobs.extend(score_chunk(logits[0], following, seq.request.prompt_logprobs or 0))
-        mx.eval(row.alloc.segment.arrays())
+        mx.eval(row.alloc.segment.arrays(), states)
         self.prefill_wait_s += time.perf_counter() - started
 
     # ---- the batch -------------------------------------------------------------------

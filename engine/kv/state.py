@@ -62,6 +62,10 @@ class StateRows:
         """The request's own state now (before it joins the batch)."""
         return tuple(tuple(c.cache) for c in self.own[request_id])
 
+    def arrays(self, request_id: str) -> list[mx.array]:
+        """The request's own state arrays (to evaluate with its call)."""
+        return [a for c in self.own.get(request_id, ()) for a in c.cache if a is not None]
+
     def row(self, index: int) -> Snapshot:
         """Row `index` of the decode batch's state now."""
         assert self.batch is not None

@@ -94,8 +94,10 @@ class _Node:
     windows: tuple[int, ...] | None = None
     window_from: int = 0
     # A hybrid (`KVGeometry.states`): its recurrent state after this node's last token
-    # (`engine.kv.state`); a hit may end only at a node that has one.
+    # (`engine.kv.state`); a hit may end only at a node that has one. `state_partials`:
+    # children of less than a block that hold one (a lookup looks among them only then).
     state: Any = None
+    state_partials: int = 0
 
     def chain(self) -> list[_Node]:
         """Root first."""
@@ -220,6 +222,7 @@ class PrefixCache:
         self.states = bool(getattr(geometry, "states", ()))
         self.state_bytes = getattr(geometry, "state_bytes", 0) if self.states else 0
         self._states = 0  # nodes holding a state
+        self._root_state_partials = 0  # roots of less than a block that hold one
 
     # ---- sizes -----------------------------------------------------------------------
     @property
@@ -287,7 +290,7 @@ class PrefixCache:
             return None
         total = matched + best_n + len(disk) * bs
         if self.states:
-            return self._state_hit(chain[: len(chain) - (best is not None)], children, rest)
+            return self._state_hit(chain[: len(chain) - (best is not None)], query)
         if self.window_span is not None:
             total = self._window_end(chain, total)
             if total <= 0:
@@ -302,24 +305,27 @@ class PrefixCache:
             if chain else None
         return PrefixHit(chain[-1].key if chain else ROOT, total, prefix, disk)
 
-    def _state_hit(self, chain: list[_Node], children: _Children, rest: tuple[int, ...]) -> PrefixHit | None:
-        """On a hybrid, the furthest node of the walk whose recurrent state is cached: a
-        partial block after `chain` that `rest` begins with (the end of an earlier prompt),
-        else the deepest full block that has one."""
-        end: _Node | None = None
-        for k in range(len(rest), 0, -1):
-            node = children.exact(rest[:k])
-            if node is not None and node.state is not None and (
-                    not chain or node.segment_id == chain[0].segment_id):
-                end = node
-                break
-        if end is not None:
-            chain = [*chain, end]
-        else:
-            while chain and chain[-1].state is None:
-                chain = chain[:-1]
-        if not chain:
-            return None
+    def _state_hit(self, chain: list[_Node], query: tuple[int, ...]) -> PrefixHit | None:
+        """On a hybrid, the furthest point of the walk where a recurrent state is cached:
+        from the deepest full block of `chain` back, a node of less than a block that the
+        query's next block begins with (an earlier prompt's or conversation's end), else
+        the node itself."""
+        bs = self.block_size
+        for depth in range(len(chain), -1, -1):
+            parent = chain[depth - 1] if depth else None
+            if parent.state_partials if parent is not None else self._root_state_partials:
+                children = parent.children if parent is not None else self._roots
+                block = query[depth * bs : (depth + 1) * bs]
+                for k in range(min(len(block), bs - 1), 0, -1):
+                    node = children.exact(block[:k])
+                    if node is not None and node.state is not None and (
+                            not depth or node.segment_id == chain[0].segment_id):
+                        return self._state_prefix([*chain[:depth], node])
+            if parent is not None and parent.state is not None:
+                return self._state_prefix(chain[:depth])
+        return None
+
+    def _state_prefix(self, chain: list[_Node]) -> PrefixHit:
         last = chain[-1]
         prefix = SharedPrefix(chain[0].segment_id, tuple(n.block for n in chain), last.end, state=last.state)
         return PrefixHit(last.key, last.end, prefix)
@@ -390,7 +396,8 @@ class PrefixCache:
                 node.segment_id, node.block = seg, block
                 self._hold(node)
                 if state is not None:
-                    node.state, self._states = state, self._states + 1
+                    node.state = state
+                    self._count_state(node, 1)
                 self._adopt_windows(node, snapshot, prefix.window_from, surplus)
             elif node is not None:
                 surplus.append(block)
@@ -413,7 +420,7 @@ class PrefixCache:
             self.store.drop_prefix(SharedPrefix(seg, tuple(surplus), 0))
         if parent is not None and prefix.state is not None and parent.end == prefix.tokens:
             if parent.state is None:
-                self._states += 1
+                self._count_state(parent, 1)
             parent.state = prefix.state  # the newer snapshot of the same tokens' state
         if parent is not None:
             for node in added:
@@ -625,7 +632,15 @@ class PrefixCache:
     def _release_state(self, node: _Node) -> None:
         if node.state is not None:
             node.state = None
-            self._states -= 1
+            self._count_state(node, -1)
+
+    def _count_state(self, node: _Node, by: int) -> None:
+        self._states += by
+        if len(node.tokens) < self.block_size:
+            if node.parent is not None:
+                node.parent.state_partials += by
+            else:
+                self._root_state_partials += by
 
     def _hold(self, node: _Node) -> None:
         self._count(node.segment_id, (node.block,), 1)

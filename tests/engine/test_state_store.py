@@ -148,3 +148,23 @@ def test_kept_states_in_a_live_segment_are_evictable_on_their_own(
     assert cache.evict(2 * state, protect) == 2 * state and cache._states == 4
     kept = sorted(n.end for n in cache._lru.values() if n.state is not None)
     assert kept == [49, 64, 128, 192]  # a's deepest went first, as the cache's leaves do
+
+
+def test_a_prompt_resumed_off_a_boundary_still_keeps_the_boundaries_it_crosses(
+        make_engine: Callable[..., Harness]) -> None:
+    """State can be kept only where a call ends, so a hybrid's prefill call stops at each
+    checkpoint boundary it crosses: a prompt resumed at 108 (the last turn's end) runs its
+    64-token chunks as 108-128-172, 172-192-236, ... and keeps 128 and 192, where a third
+    prompt sharing its first 200 tokens resumes."""
+    loaded = tiny_archs.loaded("qwen3_next")
+    h = make_engine(loaded=loaded, prefill_step_size=STEP)
+    first = _tokens(20, 100)
+    _run(h, [EngineRequest("first", first, 8, GREEDY)])
+    second = (*first, *h.out.tokens["first"], *_tokens(21, 150))
+    _run(h, [EngineRequest("second", second, 4, GREEDY)])
+    assert h.out.cached["second"] == 108
+    third = (*second[:200], *_tokens(22, 30))
+    prefilled = _run(h, [EngineRequest("third", third, 6, GREEDY)])
+    assert h.out.cached["third"] == 192 and prefilled == len(third) - 1 - 192
+    assert h.out.tokens["third"] == _reference(loaded.model, third, 6)
+    assert h.core.batch.kept == {}
