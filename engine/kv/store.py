@@ -308,7 +308,7 @@ class KVStore:
             seg = self.segments.get(shared.segment_id)
             if seg is not None and seg.blocks.free >= need - shared.tokens // self.block_size:
                 return state
-        if self._segment_with(need) is not None:
+        if self._segment_with(need + self._spare) is not None:
             return state
         return self._new_segment_blocks(need, exact) * self.block_bytes + state
 
@@ -335,7 +335,8 @@ class KVStore:
                 alloc.shared = full
                 self._copy_prefix(shared, alloc, start=full * self.block_size)
         if alloc is None:
-            seg = self._segment_with(need) or self._add_segment(self._new_segment_blocks(need, exact))
+            seg = self._segment_with(need + self._spare) \
+                or self._add_segment(self._new_segment_blocks(need, exact))
             blocks = seg.blocks.allocate(need)
             assert blocks is not None
             alloc = self._allocation(request_id, seg, blocks, per_group)
@@ -593,6 +594,13 @@ class KVStore:
             if seg.blocks.free >= need:
                 return seg
         return None
+
+    @cached_property
+    def _spare(self) -> int:
+        """Free blocks a segment must keep beside a new request's for copies of its rings
+        (window groups), or its prompt's end could not be cached in it. A request resuming
+        from a hit takes its blocks beside the hit's, whose copies are cached already."""
+        return self.snapshot_spare() if self.geometry.windowed else 0
 
     def _new_segment_blocks(self, need: int, exact: bool) -> int:
         """A new segment for a request of `need` blocks; with window groups, room beside it

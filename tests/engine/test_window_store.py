@@ -269,3 +269,28 @@ def test_a_disk_tier_asked_for_a_window_model_is_refused_aloud(
         h = make_engine(loaded=window_loaded, prefill_step_size=STEP, prefix_cache_dir=str(tmp_path))
     assert h.core.prefix_cache.disk is None
     assert "--prefix-cache-dir is ignored" in caplog.text and "window layers" in caplog.text
+
+
+def test_a_prompt_that_just_fits_a_segment_in_use_is_found_again_whole(
+    make_engine: Callable[..., Harness], window_loaded: LoadedModel
+) -> None:
+    """A request that fits the free blocks of a segment in use, but without the room for
+    copies of its rings, gets a segment of its own instead: else its prompt's end could not
+    be cached, and the same prompt again prefilled from the start (seen with the README's
+    Gemma 3 270M: a 4,891-token prompt after a short chat never hit)."""
+    h = make_engine(loaded=window_loaded, prefill_step_size=STEP, prefix_cache_bytes=1 << 26)
+    store = h.core.store
+    assert isinstance(store, KVStore)
+    h.submit(EngineRequest("chat", (1, 2, 3, 4, 5), 4, SamplingParams(temperature=0.0)))
+    h.run_until(lambda: "chat" in h.out.finished)
+    (seg,) = store.segments.values()
+    free, spare = seg.blocks.free, store.snapshot_spare()
+    length = next(n for n in range(store.segment_blocks * store.block_size, 0, -STEP)
+                  if store.request_blocks(n + 4) <= free)
+    assert store.request_blocks(length + 4) + spare // 2 > free  # it fits, a copy of its rings would not
+    prompt = tuple(random.Random(5).randrange(256) for _ in range(length))
+    for rid in ("first", "again"):
+        h.submit(EngineRequest(rid, prompt, 4, SamplingParams(temperature=0.0)))
+        h.run_until(lambda rid=rid: rid in h.out.finished, max_steps=2000)
+    assert h.out.tokens["again"] == h.out.tokens["first"]
+    assert h.out.cached["again"] == len(prompt) - 1  # the prompt's end
