@@ -34,17 +34,24 @@ def _requests() -> list[EngineRequest]:
     return out
 
 
-def _run(make_engine, **config: object):
+def _started(make_engine, **config: object):
+    """An engine whose first three requests decoded together for a while (long enough to
+    be traced and replayed), the other three just submitted."""
     h = make_engine(prefill_step_size=64, max_concurrency=8, prefix_cache_bytes=0, **config)
     requests = _requests()
     for req in requests[:3]:
         h.submit(req)
     h.run_until(lambda: len(h.core.batch.seqs) >= 3)
-    for _ in range(12):  # a batch of three holds long enough to be traced and replayed
+    for _ in range(12):
         h.step()
     for req in requests[3:]:
         h.submit(req)
-    h.run_until(lambda: h.out.finished.keys() >= {r.request_id for r in requests})
+    return h
+
+
+def _run(make_engine, **config: object):
+    h = _started(make_engine, **config)
+    h.run_until(lambda: h.out.finished.keys() >= {r.request_id for r in _requests()})
     return h
 
 
@@ -148,15 +155,7 @@ def _segments_seen(h) -> int:
 
 
 def _run_counting(make_engine, **config: object):
-    h = make_engine(prefill_step_size=64, max_concurrency=8, prefix_cache_bytes=0, **config)
-    requests = _requests()
-    for req in requests[:3]:
-        h.submit(req)
-    h.run_until(lambda: len(h.core.batch.seqs) >= 3)
-    for _ in range(12):
-        h.step()
-    for req in requests[3:]:
-        h.submit(req)
+    h = _started(make_engine, **config)
     return h, _segments_seen(h)
 
 

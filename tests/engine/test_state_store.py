@@ -9,12 +9,9 @@ batched; admission counts each sequence's state and each snapshot."""
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 
-import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
 
 from engine import EngineRequest, SamplingParams
 from engine.kv import KVStore
@@ -22,29 +19,17 @@ from engine.kv.state import StateRows
 from engine.speculative import SpeculativeConfig
 from tests.engine import tiny_archs
 from tests.engine.conftest import Harness
+from tests.engine.prompt_runs import prefilled_by as _run
+from tests.engine.prompt_runs import random_tokens as _tokens
+from tests.engine.prompt_runs import reference
 
 STEP = 64
 GREEDY = SamplingParams(temperature=0.0)
 HYBRIDS = ["qwen3_next", "lfm2", "bailing_hybrid"]
 
 
-def _tokens(seed: int, n: int) -> tuple[int, ...]:
-    rng = random.Random(seed)
-    return tuple(rng.randrange(tiny_archs.VOCAB) for _ in range(n))
-
-
 def _reference(model: object, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
-    steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens, prefill_step_size=STEP)
-    return [int(token) for token, _ in steps]
-
-
-def _run(h: Harness, requests: list[EngineRequest]) -> int:
-    """Run the requests to their end; the prompt tokens the engine prefilled for them."""
-    before = h.core.stats.prompt_tokens
-    for r in requests:
-        h.submit(r)
-    h.run_until(lambda: all(r.request_id in h.out.finished for r in requests))
-    return h.core.stats.prompt_tokens - before
+    return reference(model, prompt, max_tokens, STEP)
 
 
 @pytest.mark.parametrize("name", HYBRIDS)
