@@ -1,5 +1,6 @@
 """The dense path's prefix cache (engine.dense.prefix), on tiny random float32 models with
-recurrent state (qwen3_next, lfm2) and sliding windows (gemma3_text): a prompt that
+recurrent state (qwen3_next, lfm2) and sliding windows (gemma3_text), and hybrids' state
+snapshots on the paged path (engine.kv.state; qwen3_next, lfm2, bailing_hybrid): a prompt that
 shares a long head with an earlier one resumes from a snapshot of its caches and
 prefills only the rest, an agent's next turn resumes from the whole previous turn, and
 every answer is token-identical to mlx-lm's `generate_step` on the full prompt, alone and
@@ -16,6 +17,7 @@ import pytest
 
 from engine import EngineRequest, SamplingParams
 from engine.dense import DensePrefixCache, DenseStore
+from engine.kv import KVStore
 from memory import MemoryGuard
 from memory.ceiling import Tier
 from memory.probes.allocator import AllocatorProbe
@@ -27,25 +29,39 @@ from tests.engine.prompt_runs import reference
 
 STEP = 64  # prefill chunk, and the checkpoint interval
 GREEDY = SamplingParams(temperature=0.0)
-ARCHS = ["qwen3_next", "lfm2", "gemma3_text"]
+# the dense path on recurrent state and windows; hybrids' paged path (MLA attention too)
+CASES = [("qwen3_next", "dense"), ("lfm2", "dense"), ("gemma3_text", "dense"),
+         ("qwen3_next", "paged"), ("lfm2", "paged"), ("bailing_hybrid", "paged")]
 
 
 def _reference(model: object, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
     return reference(model, prompt, max_tokens, STEP)
 
 
-@pytest.mark.parametrize("name", ARCHS)
+def _engine(make_engine: Callable[..., Harness], name: str, path: str) -> Harness:
+    """The dense path (mlx-lm's caches and snapshots of them), or a hybrid's paged one
+    (attention in blocks, state snapshots on the prefix cache's nodes, engine.kv.state)."""
+    loaded = tiny_archs.loaded(name)
+    if path == "dense":
+        h = make_engine(loaded=loaded, paged_states=False, paged_windows=False, prefill_step_size=STEP)
+        assert isinstance(h.core.store, DenseStore) and isinstance(h.core.prefix_cache, DensePrefixCache)
+    else:
+        h = make_engine(loaded=loaded, prefill_step_size=STEP)
+        assert isinstance(h.core.store, KVStore) and h.core.store.geometry.states
+    return h
+
+
+@pytest.mark.parametrize(("name", "path"), CASES)
 def test_a_shared_long_prefix_resumes_from_a_checkpoint_alone_and_batched(
-    name: str, make_engine: Callable[..., Harness]
+    name: str, path: str, make_engine: Callable[..., Harness]
 ) -> None:
     loaded = tiny_archs.loaded(name)
-    h = make_engine(loaded=loaded, paged_states=False, paged_windows=False, prefill_step_size=STEP)
-    assert isinstance(h.core.store, DenseStore) and isinstance(h.core.prefix_cache, DensePrefixCache)
+    h = _engine(make_engine, name, path)
     first = _tokens(1, 300)
     assert _run(h, [EngineRequest("first", first, 6, GREEDY)]) == len(first) - 1
     assert h.out.cached["first"] == 0
-    # checkpoints at 64, 128, 192, 256; the prompt's end (299 tokens); prompt and answer
-    assert h.core.prefix_cache.stats().entries == 6
+    if path == "dense":  # checkpoints at 64, 128, 192, 256; the prompt's end (299 tokens); prompt and answer
+        assert h.core.prefix_cache.stats().entries == 6
 
     # 230 tokens in common: the checkpoint at 192 is the longest snapshot of a prefix
     second = first[:230] + _tokens(2, 90)
@@ -80,14 +96,14 @@ def test_a_shared_long_prefix_resumes_from_a_checkpoint_alone_and_batched(
     assert h.core.store.requests == {}
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "gemma3_text"])
+@pytest.mark.parametrize(("name", "path"), CASES)
 def test_an_agent_conversation_resumes_from_the_whole_previous_turn(
-    name: str, make_engine: Callable[..., Harness]
+    name: str, path: str, make_engine: Callable[..., Harness]
 ) -> None:
     """Each turn sends the previous prompt, the model's answer and new text: the snapshot
     taken when the previous turn ended holds all of it, so only the new text is prefilled."""
     loaded = tiny_archs.loaded(name)
-    h = make_engine(loaded=loaded, paged_states=False, paged_windows=False, prefill_step_size=STEP)
+    h = _engine(make_engine, name, path)
     tokens = _tokens(10, 90)
     previous = 0
     for turn in range(4):

@@ -1,21 +1,15 @@
 """Hybrids in the paged store (engine.kv.state): attention layers in blocks, recurrent state
-beside them, on tiny random float32 models with mlx-lm's own layers (qwen3_next: gated
-delta-net; lfm2: short convolutions; bailing_hybrid: MLA attention through the gather path).
-
-A prompt sharing a long head with an earlier one resumes where a snapshot of the state was
-kept (a prefill checkpoint, an earlier prompt's end, a conversation's end) and prefills
-only the rest; every answer is token-identical to mlx-lm's `generate_step`, alone and
-batched; admission counts each sequence's state and each snapshot."""
+beside them, on the tiny qwen3_next (gated delta-net): admission counts each sequence's
+state and each kept snapshot, snapshots are evictable on their own, a prompt resumed off a
+boundary still keeps the boundaries it crosses, and speculation is off. The shared-head
+and agent-conversation scenarios run on both paths in tests/engine/test_dense_prefix.py."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-import pytest
-
 from engine import EngineRequest, SamplingParams
 from engine.kv import KVStore
-from engine.kv.state import StateRows
 from engine.speculative import SpeculativeConfig
 from tests.engine import tiny_archs
 from tests.engine.conftest import Harness
@@ -30,61 +24,6 @@ HYBRIDS = ["qwen3_next", "lfm2", "bailing_hybrid"]
 
 def _reference(model: object, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
     return reference(model, prompt, max_tokens, STEP)
-
-
-@pytest.mark.parametrize("name", HYBRIDS)
-def test_a_shared_long_prefix_resumes_from_a_checkpoint_alone_and_batched(
-    name: str, make_engine: Callable[..., Harness]
-) -> None:
-    loaded = tiny_archs.loaded(name)
-    h = make_engine(loaded=loaded, prefill_step_size=STEP)
-    store = h.core.store
-    assert isinstance(store, KVStore) and store.geometry.states and isinstance(h.core.batch.states, StateRows)
-    first = _tokens(1, 300)
-    assert _run(h, [EngineRequest("first", first, 6, GREEDY)]) == len(first) - 1
-    assert h.out.tokens["first"] == _reference(loaded.model, first, 6)
-
-    # 230 tokens in common: the checkpoint at 192 is the furthest state of a prefix of it
-    second = first[:230] + _tokens(2, 90)
-    prefilled = _run(h, [EngineRequest("second", second, 8, GREEDY)])
-    assert h.out.cached["second"] == 192 and prefilled == len(second) - 1 - 192
-    assert h.out.tokens["second"] == _reference(loaded.model, second, 8)
-
-    # beside two other prompts, one of which shares the head too
-    third = first[:150] + _tokens(3, 40)
-    other = _tokens(4, 70)
-    batch = [EngineRequest("second-again", second, 8, GREEDY), EngineRequest("third", third, 7, GREEDY),
-             EngineRequest("other", other, 9, GREEDY)]
-    prefilled = _run(h, batch)
-    assert h.out.cached["second-again"] == len(second) - 1  # its prompt's end
-    assert h.out.cached["third"] == 128 and h.out.cached["other"] == 0
-    assert prefilled == (len(third) - 1 - 128) + (len(other) - 1)
-    assert h.core.batch.max_batch_seen >= 2
-    assert h.out.tokens["second-again"] == h.out.tokens["second"]
-    assert h.out.tokens["third"] == _reference(loaded.model, third, 7)
-    assert h.out.tokens["other"] == _reference(loaded.model, other, 9)
-    assert store.requests == {} and h.core.batch.states.own == {} and h.core.batch.states.batch is None
-
-
-@pytest.mark.parametrize("name", HYBRIDS)
-def test_an_agent_conversation_resumes_from_the_whole_previous_turn(
-    name: str, make_engine: Callable[..., Harness]
-) -> None:
-    """Each turn sends the previous prompt, the model's answer and new text: the state kept
-    when the previous turn ended holds all of it, so only the new text is prefilled."""
-    loaded = tiny_archs.loaded(name)
-    h = make_engine(loaded=loaded, prefill_step_size=STEP)
-    tokens = _tokens(10, 90)
-    previous = 0
-    for turn in range(4):
-        rid = f"turn{turn}"
-        prefilled = _run(h, [EngineRequest(rid, tokens, 12, GREEDY)])
-        assert h.out.cached[rid] == previous, turn
-        assert prefilled == len(tokens) - 1 - previous
-        answer = h.out.tokens[rid]
-        assert answer == _reference(loaded.model, tokens, 12), turn
-        previous = len(tokens) + len(answer)
-        tokens = (*tokens, *answer, *_tokens(100 + turn, 25))
 
 
 def test_admission_counts_each_sequences_state_and_each_kept_snapshot(
