@@ -986,9 +986,11 @@ class EngineCore:
                         if seq.drafted else None,
                     )
                 )
+        ends: dict[int, Snapshot] = {}  # a hybrid's finished rows' state, before the rows leave
         states = self._states()
-        rows = {id(s): i for i, s in enumerate(self.batch.seqs)} if states is not None else {}
-        ends = {id(s): states.row(rows[id(s)]) for s in finished if id(s) in rows} if states else {}
+        if states is not None:
+            index = {id(s): i for i, s in enumerate(self.batch.seqs)}
+            ends = {id(s): states.row(index[id(s)]) for s in finished if id(s) in index}
         self.batch.remove(finished)
         for seq in finished:
             self._cache_conversation(seq, ends.get(id(seq)))

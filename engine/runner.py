@@ -199,6 +199,7 @@ class Runner(ReadsEarly):
         rows = []
         calls = 0
         more: dict[str, int] = {}  # prompt tokens each request has left after this chunk
+        lengths = {seq.request_id: len(seq.request.prompt_tokens) for seq, _ in chunks}
         for seq, tokens in chunks:
             alloc = self.store.get(seq.request_id)
             start = alloc.length
@@ -212,8 +213,7 @@ class Runner(ReadsEarly):
         advanced: set[str] = set()
         if self.states is not None:  # one prompt per call, each its own rows' state
             for r in rows:
-                calls += self._prefill_with_state(r, len(r.tokens) + more[r.alloc.request_id]
-                                                  + r.alloc.length)
+                calls += self._prefill_with_state(r, lengths[r.alloc.request_id])
                 advanced.add(r.alloc.request_id)
             rows = []
         layers = self.store.geometry.num_layers

@@ -218,7 +218,7 @@ class PrefixCache:
         geometry = getattr(store, "geometry", None)
         self.window_span: int | None = store.window_span() if getattr(geometry, "windowed", False) else None
         self._window_blocks = 0
-        # A hybrid's nodes carry recurrent state: a hit ends where one does (`_state_end`).
+        # A hybrid's nodes carry recurrent state: a hit ends where one does (`_state_hit`).
         self.states = bool(getattr(geometry, "states", ()))
         self.state_bytes = getattr(geometry, "state_bytes", 0) if self.states else 0
         self._states = 0  # nodes holding a state
