@@ -11,8 +11,8 @@ ceiling mid-step, which on Apple Silicon may panic the machine instead of raisin
 
 How many layers' gathers are alive at once depends on how MLX runs the step. On the CPU
 each op runs as it is reached and a layer's gather is freed when its attention is done:
-one layer (measured: 65 MiB above the resting footprint for a 64 MiB layer gather, 8 rows
-× 2,048 tokens, `tests/engine/test_decode_transient.py`). On a GPU a whole step is
+one layer (measured: 65 MiB above the resting footprint for a 64 MiB layer gather at 8 rows
+× 2,048 tokens; `tests/engine/test_decode_transient.py` checks 8 rows × 1,088). On a GPU a whole step is
 encoded before it completes and a buffer is returned only when the work that used it has
 finished: the H200's plain path peaked at 3,982 MiB above rest at 32 rows of 1k tokens, 31
 of its 32 layers' gathers (`docs/kv-store.md`). So on a GPU every gathering layer counts.
