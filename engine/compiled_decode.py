@@ -39,6 +39,7 @@ import mlx.core as mx
 from engine.kv import KVStore, decode_caches
 from engine.kv.attention import decode_graph_key
 from engine.kv.cache import DecodeGroup, DecodePlan
+from engine.kv.state import StateRows
 
 GraphKey = tuple[Any, ...]
 
@@ -56,12 +57,15 @@ class CompiledDecode:
         self._last: GraphKey | None = None
         self._streak = 0
 
-    def logits(self, plan: DecodePlan, inputs: mx.array) -> mx.array | None:
-        """The step's [B, vocab] logits from a traced graph, or None: run this step eagerly."""
+    def logits(self, plan: DecodePlan, inputs: mx.array, states: StateRows | None = None) -> mx.array | None:
+        """The step's [B, vocab] logits from a traced graph, or None: run this step eagerly.
+        With a hybrid's `states`, the batch's state arrays are inputs of the step too, and
+        come back updated."""
         groups = plan.all_groups()
+        state = [] if states is None or states.batch is None else [c.cache for c in states.batch]
         # One row read as a slice of the pool, whose length is in the graph's shapes
-        # (engine.kv.attention.run_decode): left eager.
-        if any(g.run_start is not None for g in groups):
+        # (engine.kv.attention.run_decode), or a state not yet made: left eager.
+        if any(g.run_start is not None for g in groups) or any(a is None for c in state for a in c):
             self._last = None
             return None
         segments = list({id(g.segment): g.segment for g in groups}.values())
@@ -70,7 +74,7 @@ class CompiledDecode:
         specs = tuple(_GroupSpec(where[id(g.segment)], g.rows is not None, g.window, g.ring is not None,
                                  g.max_length) for g in groups)
         key = (tuple(seg.id for seg in segments), inputs.shape[0], plan.order is not None,
-               plan.layout(), *(
+               plan.layout(), tuple(len(c) for c in state), *(
                    (spec.segment, spec.rows, g.write.shape[0], g.table.shape[1], g.window, spec.ring,
                     *decode_graph_key(g, self.q_heads, geo.head_dim, geo.num_kv_heads, plan.block_size,
                                       geo.quant))
@@ -83,7 +87,7 @@ class CompiledDecode:
                 return None
             fn = self.graphs[key] = mx.compile(self._forward(
                 specs, plan.layout(), tuple(len(seg.keys) for seg in segments), plan.order is not None,
-                plan.block_size))
+                plan.block_size, tuple(len(c) for c in state), states))
             self.traces += 1
             if len(self.graphs) > self.keep:
                 self.graphs.popitem(last=False)
@@ -95,19 +99,23 @@ class CompiledDecode:
             arrays += [g.write, g.table, g.lengths]
             arrays += [] if g.ring is None else [g.ring, g.ring_blocks]
         pool = [a for seg in segments for a in (*seg.keys, *seg.values)]
-        out = fn(inputs, plan.offsets, *arrays, *pool)
+        out = fn(inputs, plan.offsets, *arrays, *pool, *(a for c in state for a in c))
         at = 1
         for seg in segments:
             n = len(seg.keys)
             seg.keys[:] = out[at : at + n]
             seg.values[:] = out[at + n : at + 2 * n]
             at += 2 * n
+        for arrays_of_entry in state:
+            arrays_of_entry[:] = out[at : at + len(arrays_of_entry)]
+            at += len(arrays_of_entry)
         self.replays += 1
         return out[0]
 
     def _forward(self, specs: tuple[_GroupSpec, ...], layout: tuple[int, ...],
-                 segment_layers: tuple[int, ...], ordered: bool,
-                 block_size: int) -> Callable[..., tuple[mx.array, ...]]:
+                 segment_layers: tuple[int, ...], ordered: bool, block_size: int,
+                 state_sizes: tuple[int, ...] = (),
+                 states: StateRows | None = None) -> Callable[..., tuple[mx.array, ...]]:
         """The step as a function of arrays only: the plan's groups (in `layout`'s layer
         groups), rebuilt from their arrays over stand-ins for the segments. Each group's
         `max_length` reaches the graph only through the graph key, so any step with this key
@@ -138,8 +146,16 @@ class CompiledDecode:
                 per_group.append(built[at : at + count])
                 at += count
             plan = DecodePlan(per_group[0], offsets, order, block_size, quant, tuple(per_group[1:]), slots)
-            logits = model(tokens[:, None], cache=decode_caches(plan, layers))[:, -1, :]
-            return (logits, *(a for p in pools for a in (*p.keys, *p.values)))
+            caches: list[Any] = decode_caches(plan, layers)
+            traced_states = []
+            if states is not None:  # the batch's state caches, over the traced arrays
+                traced_states = states.fresh()
+                for cache, n in zip(traced_states, state_sizes, strict=True):
+                    cache.cache = [next(it) for _ in range(n)]
+                caches = states.caches(caches, traced_states)
+            logits = model(tokens[:, None], cache=caches)[:, -1, :]
+            return (logits, *(a for p in pools for a in (*p.keys, *p.values)),
+                    *(a for c in traced_states for a in c.cache))
 
         return forward
 

@@ -321,10 +321,9 @@ class EngineCore:
         else:
             overlap = on_cuda_by_default(config.decode_overlap, loaded.backend)
             compiled = None
-            # a model attending with its own code on gathered K/V, or carrying recurrent state
-            # beside the store, stays eager (untried traced)
+            # a model attending with its own code on gathered K/V stays eager (untried traced)
             geo = self.store.geometry
-            traceable = not geo.gather and not geo.states
+            traceable = not geo.gather
             if on_cuda_by_default(config.compile_decode, loaded.backend) and traceable:
                 compiled = CompiledDecode(self.model, self.store, loaded.geometry.num_heads,
                                           after=config.compile_after)

@@ -353,7 +353,7 @@ class Runner(ReadsEarly):
         self.sliced_steps += sliced
         replays = -1 if self.compiled is None else self.compiled.replays
         traces = -1 if self.compiled is None else self.compiled.traces
-        logits = None if self.compiled is None else self.compiled.logits(plan, inputs)
+        logits = None if self.compiled is None else self.compiled.logits(plan, inputs, self.states)
         if choosing and self.compiled is not None:  # SliceChoice exists only where steps replay
             clean = sliced or (self.compiled.replays > replays and self.compiled.traces == traces)
             self._lone = (sliced, clean, started)

@@ -19,9 +19,10 @@ state, as mlx-lm's `BatchGenerator` does:
   dense path's snapshots rely on the same, `engine.dense.prefix`). The prefix cache keeps
   snapshots on its nodes (`SharedPrefix.state`): a hit resumes only where one exists.
 
-Admission counts a request's state as a fixed cost (`KVGeometry.state_bytes`), speculative
-decoding is off (state cannot be rolled back to a rejected draft) and decode steps run
-eagerly.
+Admission counts a request's state as a fixed cost (`KVGeometry.state_bytes`), and
+speculative decoding is off (state cannot be rolled back to a rejected draft). A traced
+decode step (`engine.compiled_decode`) takes the batch's state arrays as inputs and gives
+them back updated, as it does the pool's.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ class StateRows:
         self._make = make  # fresh caches of every state entry, for one sequence
         self.own: dict[str, list[ArraysCache]] = {}  # requests not in the decode batch
         self.batch: list[ArraysCache] | None = None  # the decode batch's, rows in its order
+
+    def fresh(self) -> list[ArraysCache]:
+        """New, empty caches of every state entry (a traced step fills them)."""
+        return self._make()
 
     def of(self, request_id: str) -> list[ArraysCache]:
         """The request's own caches (new ones for a request starting from nothing)."""

@@ -191,3 +191,19 @@ def test_rows_in_several_segments_replay_the_eager_steps_tokens(make_engine, win
     assert stats.decode_traces >= 2 and stats.compiled_steps >= 3 * stats.decode_traces
     assert any(len(key[0]) > 1 for key in compiled.core.batch.compiled.graphs)  # a graph over segments
     _same_tokens(compiled, eager)
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "lfm2"])
+def test_a_hybrids_state_is_traced_with_its_steps(make_engine, name: str):
+    """A hybrid's batch state (engine.kv.state: qwen3_next's delta-net, lfm2's short
+    convolutions) goes into the traced step and comes back updated, as the pool's layer
+    arrays do: the replayed steps give the eager tokens."""
+    from tests.engine import tiny_archs
+
+    loaded = {"loaded": tiny_archs.loaded(name)}
+    eager = _run(make_engine, compile_decode=False, **loaded)
+    compiled = _run(make_engine, compile_decode=True, compile_after=2, **loaded)
+    assert compiled.core.store.geometry.states
+    stats = compiled.core.stats
+    assert stats.decode_traces >= 2 and stats.compiled_steps >= 3 * stats.decode_traces
+    _same_tokens(compiled, eager)
