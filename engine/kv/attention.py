@@ -134,10 +134,10 @@ def _attend_group(q: mx.array, g: DecodeGroup, slot: int, scale: float, block_si
 def decode_reads_in_place(geometry: KVGeometry, window: int | None) -> bool:
     """Whether a decode step attends this group's layers straight from the pool (the CUDA
     kernel), rather than gathering each layer's rows (`engine.kv.decode_transient`)."""
-    quant = geometry.quant
-    if geometry.gather or not kernel_active() or (quant is not None and not kernel_reads(quant)):
+    if geometry.gather or (window is not None and not _window_kernel_enabled):
         return False
-    return geometry.head_dim % 32 == 0 and (window is None or _window_kernel_enabled)
+    # the kernel's own rule (`_takes_kernel`); KV heads stand in for query heads: GQA groups
+    return _takes_kernel(geometry.num_kv_heads, geometry.head_dim, geometry.num_kv_heads, geometry.quant)
 
 
 def _takes_kernel(q_heads: int, head_dim: int, kv_heads: int, quant: KVQuant | None = None) -> bool:

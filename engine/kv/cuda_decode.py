@@ -393,9 +393,11 @@ def paged_decode(
     if sc is None:
         sc = _scales[scale] = device_vector([scale], mx.float32)
     inputs = [q, k_pool, v_pool, table, lengths, sc, launch.part]
-    kernel = _get_kernel() if quant is None else _get_quant_kernel(ring is not None)
+    if quant is not None:
+        kernel = _get_quant_kernel(ring is not None)
+    else:
+        kernel = _get_kernel() if ring is None else _get_ring_kernel()
     if ring is not None:
-        kernel = _get_ring_kernel() if quant is None else kernel
         inputs += [first, ring]
     out, m, l_sum = kernel(
         inputs=inputs,
